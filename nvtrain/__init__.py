@@ -1,0 +1,34 @@
+"""nvtrain: a PyTorch training loop whose 18 stages are pluggy hooks."""
+
+from __future__ import annotations
+
+from nvtrain.bus import HookBus
+from nvtrain.context import TrainingContext
+from nvtrain.hook import CheckpointableHook, Hook, TrainingUpdateHook
+from nvtrain.hookspecs import hookimpl, hookspec
+from nvtrain.orchestrator import TrainingUpdateOrchestrator
+from nvtrain.stages import TrainingStage
+from nvtrain.stash import Stash, StashKey
+from nvtrain.strategy import RunResult, TrainingStrategy
+from nvtrain.validation import ValidationConfig, ValidationLoop
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointableHook",
+    "Hook",
+    "HookBus",
+    "RunResult",
+    "Stash",
+    "StashKey",
+    "TrainingContext",
+    "TrainingStage",
+    "TrainingStrategy",
+    "TrainingUpdateHook",
+    "TrainingUpdateOrchestrator",
+    "ValidationConfig",
+    "ValidationLoop",
+    "__version__",
+    "hookimpl",
+    "hookspec",
+]

@@ -1,0 +1,71 @@
+"""The state every hook sees: models, optimizers, the current batch, counters."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from nvtrain.stages import TrainingStage
+from nvtrain.stash import Stash
+
+if TYPE_CHECKING:
+    from nvtrain.strategy import TrainingStrategy
+
+__all__ = ["TrainingContext"]
+
+
+@attrs.define(slots=True, eq=False, repr=False)
+class TrainingContext:
+    """Mutable state of one strategy, passed as ``ctx`` to every hook.
+
+    Counters follow the reference semantics: ``batch_count`` and
+    ``epoch_step_count`` advance on every micro-batch; ``step_count`` (this worker)
+    and ``global_step_count`` (all data-parallel workers: ``world_size`` per step)
+    advance only when an optimizer step really happened. ``metrics`` holds tensors:
+    nothing on the per-batch path reads them to the host.
+    """
+
+    strategy: TrainingStrategy | None = None
+    models: dict[str, torch.nn.Module] = attrs.field(factory=dict)
+    optimizers: dict[str, torch.optim.Optimizer] = attrs.field(factory=dict)
+    lr_schedulers: dict[str, Any] = attrs.field(factory=dict)
+    train_loader: Any = None
+    batch: Any = None
+    outputs: Any = None
+    loss: torch.Tensor | None = None
+    #: The tensor that was back-propagated (``loss`` after the update hooks' transforms).
+    backward_loss: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    stage: TrainingStage | None = None
+    step_count: int = 0
+    global_step_count: int = 0
+    batch_count: int = 0
+    epoch: int = 0
+    epoch_step_count: int = 0
+    #: Did this micro-batch's optimizer step not happen? Final from AFTER_OPTIMIZER_STEP on.
+    step_skipped: bool = False
+    #: Does this micro-batch end an accumulation window (gradients must be all-reduced)?
+    sync_gradients: bool = True
+    #: Number of micro-batches in the current window, and this one's 0-based position.
+    window_size: int = 1
+    window_position: int = 0
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    #: Summary of the latest validation pass (set before AFTER_VALIDATION).
+    validation: dict[str, Any] | None = None
+    #: True once a preemption signal ended the run.
+    preempted: bool = False
+    #: The step scheduler driving the current run, if any.
+    scheduler: Any = None
+    #: Typed per-plugin storage: ``ctx.stash[KEY]`` with ``KEY = StashKey[T]()``.
+    stash: Stash = attrs.field(factory=Stash)
+
+    def __repr__(self) -> str:
+        stage = self.stage.name if self.stage is not None else None
+        return (
+            f"TrainingContext(stage={stage}, epoch={self.epoch}, step_count={self.step_count}, "
+            f"batch_count={self.batch_count}, models={sorted(self.models)})"
+        )

@@ -1,0 +1,307 @@
+"""The contract between the training loop and its plugins: one hookspec per stage.
+
+Read this module first: it is the loop as the plugins see it. Every stage of
+:class:`~nvtrain.stages.TrainingStage` has one hookspec named after it
+(``stage.name.lower()``), called with the single keyword ``ctx``
+(a :class:`~nvtrain.context.TrainingContext`)::
+
+    setup(ctx)                                  once; ctx.train_loader may be replaced
+    (optimizers and LR schedulers are built)
+    before_training(ctx)
+    for epoch:
+        before_epoch(ctx)
+        for window in the step scheduler:       one optimizer step per window
+            for micro-batch in window:
+                before_batch(ctx)               False from anyone vetoes zero_grad
+                before_forward(ctx); forward; after_forward(ctx)
+                before_loss(ctx); loss; after_loss(ctx)
+                before_backward(ctx)
+                do_backward(ctx)                firstresult slot: the orchestrator
+                after_backward(ctx)
+                before_optimizer_step(ctx)
+                do_optimizer_step(ctx)          firstresult slot: the orchestrator
+                after_optimizer_step(ctx)       ctx.step_skipped is final here
+                after_batch(ctx)
+            validation / checkpoint / preemption decisions for the step
+        after_epoch(ctx)
+    after_training(ctx)
+    after_validation(ctx)                       inside validate(), summary in ctx.validation
+
+Return values are ignored except where a spec says otherwise. Implementations
+run in ascending ``priority`` (an attribute of the plugin, default 50), with
+registration order breaking ties; pluggy ``wrapper=True`` implementations wrap
+the whole stage call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from nvtrain.context import TrainingContext
+
+__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+
+#: The pluggy project name: hook markers and entry points use it.
+PROJECT_NAME = "nvtrain"
+
+#: Marks a method as a hookspec of the nvtrain project.
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+#: Marks a method as an implementation of an nvtrain stage.
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def setup(ctx: TrainingContext) -> None:
+    """Prepare models and data before any optimizer exists.
+
+    Fires once per strategy, before optimizers and LR schedulers are built, after
+    the models were moved to ``ctx.device``.
+
+    :param ctx: ``ctx.models`` may be replaced (e.g. wrapped in DistributedDataParallel)
+        and ``ctx.train_loader`` swapped (e.g. to inject a sampler). Optimizers built
+        afterwards see the replaced models' parameters.
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def before_training(ctx: TrainingContext) -> None:
+    """Start of a run.
+
+    Fires once per ``run()``, before the first epoch, with models on device and
+    ``ctx.optimizers`` / ``ctx.lr_schedulers`` built.
+
+    :param ctx: counters hold the values the run starts from (non-zero after a resume).
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def before_epoch(ctx: TrainingContext) -> None:
+    """Start of an epoch.
+
+    Fires before the first micro-batch of each epoch.
+
+    :param ctx: ``ctx.epoch`` is the epoch about to run; ``ctx.epoch_step_count`` is 0
+        (or the resumed position inside the epoch).
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def before_batch(ctx: TrainingContext) -> bool | None:
+    """Start of a micro-batch, before gradients are zeroed.
+
+    Fires once per micro-batch.
+
+    :param ctx: ``ctx.batch`` holds the micro-batch; ``ctx.window_size``,
+        ``ctx.window_position`` and ``ctx.sync_gradients`` describe its place in the
+        accumulation window.
+
+    A return value of ``False`` vetoes gradient zeroing for this micro-batch (the
+    gradients of the previous micro-batch are kept and accumulated into);
+    ``None`` means no opinion. Any other value is refused with ``TypeError``.
+    """
+
+
+@hookspec
+def before_forward(ctx: TrainingContext) -> None:
+    """Before the model forward pass: the slot for input transforms.
+
+    Fires once per micro-batch after gradient zeroing.
+
+    :param ctx: ``ctx.batch`` may be replaced by a transformed batch.
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def after_forward(ctx: TrainingContext) -> None:
+    """After the model forward pass.
+
+    Fires once per micro-batch.
+
+    :param ctx: ``ctx.outputs`` holds the model's predictions.
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def before_loss(ctx: TrainingContext) -> None:
+    """Before the loss is computed.
+
+    Fires once per micro-batch.
+
+    :param ctx: ``ctx.outputs`` may be replaced before the loss function sees them.
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def after_loss(ctx: TrainingContext) -> None:
+    """After the loss is computed.
+
+    Fires once per micro-batch.
+
+    :param ctx: ``ctx.loss`` holds the loss tensor (still on device: read it only when logging).
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def before_backward(ctx: TrainingContext) -> None:
+    """Before the backward pass: the slot for observers of the pre-backward state.
+
+    Fires once per micro-batch.
+
+    :param ctx: ``ctx.loss`` is the loss about to be transformed and back-propagated.
+
+    Return value is ignored.
+    """
+
+
+@hookspec(firstresult=True)
+def do_backward(ctx: TrainingContext) -> torch.Tensor | None:
+    """Replacement slot for the backward pass, owned by the update orchestrator.
+
+    Fires once per micro-batch. Only one non-wrapper implementation may exist:
+    the built-in :class:`~nvtrain.orchestrator.TrainingUpdateOrchestrator`, which
+    chains the update hooks' loss transforms and calls ``backward()`` once.
+    Observers use ``before_backward`` / ``after_backward``; a pluggy
+    ``wrapper=True`` implementation may wrap this slot (e.g. to enter ``no_sync()``).
+
+    :param ctx: ``ctx.loss`` is the loss from the loss function.
+
+    Stops at the first non-``None`` result: the loss tensor that was back-propagated.
+    """
+
+
+@hookspec
+def after_backward(ctx: TrainingContext) -> None:
+    """After the backward pass: gradients are available.
+
+    Fires once per micro-batch. Typical slot for gradient-norm logging.
+
+    :param ctx: ``ctx.loss`` is the untransformed loss again; ``ctx.backward_loss``
+        the tensor that was back-propagated.
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def before_optimizer_step(ctx: TrainingContext) -> None:
+    """Immediately before the optimizer step decision.
+
+    Fires once per micro-batch, also on micro-batches whose step will be vetoed.
+
+    :param ctx: ``ctx.sync_gradients`` tells whether this micro-batch ends a window.
+
+    Return value is ignored.
+    """
+
+
+@hookspec(firstresult=True)
+def do_optimizer_step(ctx: TrainingContext) -> bool | None:
+    """Replacement slot for the optimizer and LR-scheduler step, owned by the orchestrator.
+
+    Fires once per micro-batch. Only one non-wrapper implementation may exist:
+    the built-in orchestrator, which asks its update hooks, steps optimizers and
+    the schedulers of optimizers that really stepped, and sets ``ctx.step_skipped``.
+    Observers use ``before_optimizer_step`` / ``after_optimizer_step``.
+
+    :param ctx: ``ctx.step_skipped`` is set by the implementation.
+
+    Stops at the first non-``None`` result: ``True`` when a step happened.
+    """
+
+
+@hookspec
+def after_optimizer_step(ctx: TrainingContext) -> None:
+    """After the step path completes: the slot for EMA updates and post-step logging.
+
+    Fires once per micro-batch. The step counters have already advanced when the
+    step really happened.
+
+    :param ctx: ``ctx.step_skipped`` is ``True`` when no optimizer step happened
+        (vetoed, accumulating, or skipped by GradScaler for inf/NaN gradients).
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def after_batch(ctx: TrainingContext) -> None:
+    """End of a micro-batch: generic cleanup.
+
+    Fires once per micro-batch, after ``ctx.batch_count`` and ``ctx.epoch_step_count``
+    advanced.
+
+    :param ctx: everything the micro-batch produced is still there.
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def after_epoch(ctx: TrainingContext) -> None:
+    """End of an epoch, after its last micro-batch and any end-of-epoch validation.
+
+    :param ctx: ``ctx.epoch`` is the epoch that just ended.
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def after_training(ctx: TrainingContext) -> None:
+    """End of a run, after the last epoch (also when the run stopped early for preemption).
+
+    :param ctx: the final counters; ``ctx.preempted`` tells whether a signal stopped the run.
+
+    Return value is ignored.
+    """
+
+
+@hookspec
+def after_validation(ctx: TrainingContext) -> None:
+    """After a validation pass produced its summary.
+
+    Fires inside ``TrainingStrategy.validate()``, whether called by the loop's
+    cadence or by the user.
+
+    :param ctx: ``ctx.validation`` holds the summary (``loss``, ``num_samples`` and
+        the configured metrics, as tensors).
+
+    Return value is ignored.
+    """
+
+
+def spec_names() -> tuple[str, ...]:
+    """The hookspec names, in stage order."""
+    from nvtrain.stages import TrainingStage
+
+    return tuple(stage.hook_name for stage in TrainingStage)
+
+
+def _check_module_complete(namespace: dict[str, Any]) -> None:
+    from nvtrain.stages import TrainingStage
+
+    missing = [s.hook_name for s in TrainingStage if s.hook_name not in namespace]
+    if missing:  # pragma: no cover - guards against editing mistakes
+        raise RuntimeError(f"hookspecs missing for stages: {missing}")
+
+
+_check_module_complete(globals())

@@ -1,0 +1,87 @@
+"""The eighteen points in a training run where nvtrain fires hooks."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "BATCH_STAGES",
+    "REPLACEMENT_STAGES",
+    "TrainingStage",
+    "UPDATE_STAGES",
+]
+
+
+class TrainingStage(enum.IntEnum):
+    """Where a hook fires. Values follow the reference documents (SETUP=1 ... AFTER_VALIDATION=18).
+
+    The whole run, with the stage fired at each point::
+
+        SETUP                                   wrap models, patch modules, swap the loader
+        (optimizers and LR schedulers are built from the possibly wrapped models)
+        BEFORE_TRAINING
+        for epoch:
+            BEFORE_EPOCH
+            for window (one optimizer step) in the step scheduler:
+                for micro-batch in window:
+                    BEFORE_BATCH                -> gradients zeroed unless vetoed
+                    BEFORE_FORWARD; forward; AFTER_FORWARD
+                    BEFORE_LOSS; loss; AFTER_LOSS
+                    BEFORE_BACKWARD
+                    DO_BACKWARD                 -> loss transforms chained, backward() once
+                    AFTER_BACKWARD
+                    BEFORE_OPTIMIZER_STEP
+                    DO_OPTIMIZER_STEP           -> optimizers + LR schedulers step unless vetoed
+                    AFTER_OPTIMIZER_STEP        (ctx.step_skipped: did the step happen?)
+                    AFTER_BATCH
+                validation / checkpoint / preemption decisions for this step
+            AFTER_EPOCH
+        AFTER_TRAINING
+
+        validate(): ... AFTER_VALIDATION       fires once the validation summary exists
+    """
+
+    SETUP = 1
+    BEFORE_TRAINING = 2
+    BEFORE_EPOCH = 3
+    BEFORE_BATCH = 4
+    BEFORE_FORWARD = 5
+    AFTER_FORWARD = 6
+    BEFORE_LOSS = 7
+    AFTER_LOSS = 8
+    BEFORE_BACKWARD = 9
+    DO_BACKWARD = 10
+    AFTER_BACKWARD = 11
+    BEFORE_OPTIMIZER_STEP = 12
+    DO_OPTIMIZER_STEP = 13
+    AFTER_OPTIMIZER_STEP = 14
+    AFTER_BATCH = 15
+    AFTER_EPOCH = 16
+    AFTER_TRAINING = 17
+    AFTER_VALIDATION = 18
+
+    @property
+    def hook_name(self) -> str:
+        """The name of this stage's hookspec (``before_batch`` for BEFORE_BATCH)."""
+        return self.name.lower()
+
+
+#: Stages that fire once per micro-batch.
+BATCH_STAGES: frozenset[TrainingStage] = frozenset(
+    TrainingStage(v) for v in range(TrainingStage.BEFORE_BATCH, TrainingStage.AFTER_BATCH + 1)
+)
+
+#: The two replacement slots: at most one non-wrapper implementation each.
+REPLACEMENT_STAGES: frozenset[TrainingStage] = frozenset(
+    {TrainingStage.DO_BACKWARD, TrainingStage.DO_OPTIMIZER_STEP}
+)
+
+#: Stages a TrainingUpdateHook may run on.
+UPDATE_STAGES: frozenset[TrainingStage] = frozenset(
+    {
+        TrainingStage.BEFORE_BATCH,
+        TrainingStage.DO_BACKWARD,
+        TrainingStage.DO_OPTIMIZER_STEP,
+        TrainingStage.AFTER_OPTIMIZER_STEP,
+    }
+)

@@ -1,0 +1,554 @@
+"""TrainingStrategy: the training loop, read top to bottom as its sequence of stages."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from nvtrain.adapter import HookAdapter
+from nvtrain.bus import HookBus
+from nvtrain.context import TrainingContext
+from nvtrain.hook import Hook, TrainingUpdateHook, hook_label
+from nvtrain.hookspecs import PROJECT_NAME
+from nvtrain.orchestrator import TrainingUpdateOrchestrator
+from nvtrain.stages import TrainingStage
+from nvtrain.validation import ValidationConfig, ValidationLoop
+
+__all__ = ["RunResult", "TrainingStrategy"]
+
+S = TrainingStage
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+@attrs.frozen
+class RunResult:
+    """What ``run()`` reports: final counters, whether a preemption signal ended it, last validation."""
+
+    step_count: int
+    global_step_count: int
+    batch_count: int
+    epoch: int
+    preempted: bool
+    validation: dict[str, Any] | None
+
+
+# -- field converters and validators ------------------------------------------------
+
+
+def _as_models(value: Any) -> dict[str, torch.nn.Module]:
+    if isinstance(value, torch.nn.Module):
+        return {"main": value}
+    if isinstance(value, Mapping):
+        for name, model in value.items():
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(
+                    f"TrainingStrategy.models[{name!r}] must be a torch.nn.Module (got {type(model).__name__})"
+                )
+        if not value:
+            raise ValueError("TrainingStrategy.models is empty: give a module or a name -> module mapping")
+        return dict(value)
+    raise TypeError(
+        f"TrainingStrategy.models must be a torch.nn.Module or a mapping of name -> module "
+        f"(got {type(value).__name__})"
+    )
+
+
+def _as_factories(field_name: str) -> Callable[[Any], dict[str, Callable[..., Any]]]:
+    def convert(value: Any) -> dict[str, Callable[..., Any]]:
+        if value is None:
+            return {}
+        if callable(value) and not isinstance(value, Mapping):
+            return {"main": value}
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"TrainingStrategy.{field_name} must be a factory or a mapping of name -> factory "
+                f"(got {type(value).__name__})"
+            )
+        for name, factory in value.items():
+            if not callable(factory):
+                raise TypeError(
+                    f"TrainingStrategy.{field_name}[{name!r}] must be callable, e.g. "
+                    f"functools.partial(torch.optim.AdamW, lr=1e-3) (got {factory!r})"
+                )
+        return dict(value)
+
+    return convert
+
+
+def _as_device(value: Any) -> torch.device:
+    if value is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"TrainingStrategy.device: {value!r} is not a torch device ({err})") from None
+
+
+def _positive_int_or_none(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"TrainingStrategy.{attribute.name} must be an int >= 1 or None (got {value!r})")
+
+
+def _has_hookimpls(obj: object) -> bool:
+    marker = PROJECT_NAME + "_impl"
+    return any(hasattr(getattr(obj, stage.hook_name, None), marker) for stage in TrainingStage)
+
+
+# -- the strategy -----------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class TrainingStrategy:
+    """Trains ``models`` with ``optimizers``; features arrive as hooks on the bus.
+
+    ``optimizers`` maps a model name to a factory of its trainable parameters (a bare
+    factory means ``"main"``); they are built after SETUP so wrapped models are used.
+    ``lr_schedulers`` maps the same names to factories of the optimizer. With batches
+    of ``(inputs, targets)`` the forward is ``model(inputs)`` and the loss
+    ``loss_fn(outputs, targets)``; any other batch needs ``forward_fn(ctx) -> outputs``
+    (the loss then sees ``loss_fn(outputs, batch)``).
+
+    Use it as a context manager so hooks holding resources are closed, also after
+    an exception.
+    """
+
+    models: dict[str, torch.nn.Module] = attrs.field(converter=_as_models)
+    optimizers: dict[str, OptimizerFactory] = attrs.field(converter=_as_factories("optimizers"))
+    loss_fn: Callable[[Any, Any], torch.Tensor] = attrs.field()
+    lr_schedulers: dict[str, SchedulerFactory] = attrs.field(
+        factory=dict, converter=_as_factories("lr_schedulers")
+    )
+    forward_fn: Callable[[TrainingContext], Any] | None = None
+    hooks: Sequence[object] = attrs.field(factory=tuple, converter=tuple)
+    device: torch.device = attrs.field(default=None, converter=_as_device)
+    num_epochs: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    max_steps: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    validation: ValidationConfig | None = attrs.field(default=None)
+    distributed_manager: Any = None
+
+    ctx: TrainingContext = attrs.field(init=False)
+    _bus: HookBus = attrs.field(init=False)
+    _orchestrator: TrainingUpdateOrchestrator = attrs.field(init=False)
+    _closables: list[object] = attrs.field(init=False, factory=list)
+    _is_set_up: bool = attrs.field(init=False, default=False)
+    _move_batch: Callable[[Any], Any] = attrs.field(init=False)
+
+    @loss_fn.validator
+    def _check_loss_fn(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not callable(value):
+            raise TypeError(f"TrainingStrategy.loss_fn must be callable (got {value!r})")
+
+    @optimizers.validator
+    def _check_optimizers(self, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
+        if not value:
+            raise ValueError("TrainingStrategy.optimizers: at least one optimizer factory is required")
+        for name in value:
+            if name not in self.models:
+                raise ValueError(
+                    f"TrainingStrategy.optimizers[{name!r}]: no model named {name!r} "
+                    f"(models: {sorted(self.models)})"
+                )
+
+    @lr_schedulers.validator
+    def _check_schedulers(self, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
+        for name in value:
+            if name not in self.optimizers:
+                raise ValueError(
+                    f"TrainingStrategy.lr_schedulers[{name!r}]: no optimizer named {name!r} "
+                    f"(optimizers: {sorted(self.optimizers)})"
+                )
+
+    @validation.validator
+    def _check_validation(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and not isinstance(value, ValidationConfig):
+            raise TypeError(f"TrainingStrategy.validation must be a ValidationConfig (got {type(value).__name__})")
+
+    def __attrs_post_init__(self) -> None:
+        rank, world_size = _rank_and_world_size(self.distributed_manager)
+        self.ctx = TrainingContext(
+            strategy=self, models=dict(self.models), device=self.device, rank=rank, world_size=world_size
+        )
+        self._move_batch = _identity if self.device.type == "cpu" else _mover(self.device)
+        self._bus = HookBus()
+        orchestrators = [h for h in self.hooks if isinstance(h, TrainingUpdateOrchestrator)]
+        if len(orchestrators) > 1:
+            raise ValueError(
+                f"TrainingStrategy.hooks holds {len(orchestrators)} TrainingUpdateOrchestrators; only one "
+                "may own DO_BACKWARD and DO_OPTIMIZER_STEP. Compose update hooks with '+' or pass them bare."
+            )
+        bare = [h for h in self.hooks if isinstance(h, TrainingUpdateHook)]
+        given = list(orchestrators[0].hooks) if orchestrators else []
+        self._orchestrator = TrainingUpdateOrchestrator([*given, *bare])
+        self._bus.register(self._orchestrator, TrainingUpdateOrchestrator.plugin_name)
+        for hook in self.hooks:
+            if isinstance(hook, TrainingUpdateOrchestrator):
+                self._closables.extend(hook.hooks)
+                for inner in hook.hooks:
+                    self._register_observer_side(inner)
+            else:
+                self._register(hook, stage=None)
+
+    # -- registration -------------------------------------------------------------------
+
+    def register_hook(self, hook: object, stage: TrainingStage | Iterable[TrainingStage] | None = None) -> None:
+        """Add a hook after construction (before the run it should see)."""
+        if isinstance(hook, TrainingUpdateOrchestrator):
+            raise ValueError(
+                "this strategy already has a TrainingUpdateOrchestrator; register its hooks one by one instead"
+            )
+        if isinstance(hook, TrainingUpdateHook):
+            if stage is not None:
+                raise ValueError(
+                    f"update hook {hook_label(hook)}: passing stage=... is not supported for update hooks, "
+                    "which declare their stages through the orchestrator ('stages' attribute)"
+                )
+            if any(h is hook for h in self._orchestrator.hooks):
+                raise ValueError(f"update hook {hook_label(hook)} is already registered")
+            new = self._orchestrator + hook
+            if self._is_set_up:
+                new.bind(self.ctx.optimizers, self.ctx.lr_schedulers)
+            self._bus.replace(self._orchestrator, new)
+            self._orchestrator = new
+        self._register(hook, stage)
+
+    def _register(self, hook: object, stage: TrainingStage | Iterable[TrainingStage] | None) -> None:
+        if isinstance(hook, TrainingUpdateHook):
+            if stage is not None:
+                raise ValueError(
+                    f"update hook {hook_label(hook)}: passing stage=... is not supported for update hooks"
+                )
+            self._register_observer_side(hook)
+        elif isinstance(hook, Hook):
+            stages = None if stage is None else ([stage] if isinstance(stage, (int, TrainingStage)) else stage)
+            self._bus.register(HookAdapter(hook, stages), getattr(hook, "plugin_name", None))
+        elif stage is not None:
+            raise ValueError(
+                f"plugin {hook_label(hook)}: stage=... applies to nvtrain.Hook instances; a pluggy plugin "
+                "declares its stages through its @nvtrain.hookimpl methods"
+            )
+        else:
+            self._bus.register(hook, getattr(hook, "plugin_name", None))
+        self._closables.append(hook)
+
+    def _register_observer_side(self, hook: TrainingUpdateHook) -> None:
+        """An update hook may also observe stages through @hookimpl methods."""
+        if _has_hookimpls(hook):
+            self._bus.register(hook, getattr(hook, "plugin_name", None))
+
+    @property
+    def bus(self) -> HookBus:
+        return self._bus
+
+    @property
+    def orchestrator(self) -> TrainingUpdateOrchestrator:
+        return self._orchestrator
+
+    def update_hooks(self) -> tuple[TrainingUpdateHook, ...]:
+        return self._orchestrator.hooks
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def run(self, train_loader: Iterable[Any]) -> RunResult:
+        """Train over ``train_loader`` (any re-iterable of batches) until the epochs or ``max_steps`` end."""
+        if train_loader is None:
+            raise ValueError("TrainingStrategy.run(train_loader): a loader or iterable of batches is required")
+        ctx, bus = self.ctx, self._bus
+        self._ensure_set_up(train_loader)
+        ctx.preempted = False
+        ctx.stage = S.BEFORE_TRAINING
+        bus.before_training(ctx)
+        num_epochs = self.num_epochs if self.num_epochs is not None or self.max_steps is not None else 1
+        while not self._finished(num_epochs):
+            ctx.epoch_step_count = 0
+            ctx.stage = S.BEFORE_EPOCH
+            bus.before_epoch(ctx)
+            for batch in ctx.train_loader:
+                ctx.window_size, ctx.window_position, ctx.sync_gradients = 1, 0, True
+                self._train_micro_batch(batch)
+                if not ctx.step_skipped:
+                    self._maybe_validate_on_step()
+                    if self.max_steps is not None and ctx.step_count >= self.max_steps:
+                        break
+            self._maybe_validate_on_epoch()
+            ctx.stage = S.AFTER_EPOCH
+            bus.after_epoch(ctx)
+            ctx.epoch += 1
+        ctx.stage = S.AFTER_TRAINING
+        bus.after_training(ctx)
+        return RunResult(
+            step_count=ctx.step_count,
+            global_step_count=ctx.global_step_count,
+            batch_count=ctx.batch_count,
+            epoch=ctx.epoch,
+            preempted=ctx.preempted,
+            validation=ctx.validation,
+        )
+
+    def train_batch(self, batch: Any) -> torch.Tensor | None:
+        """Run one micro-batch through every batch stage outside ``run()``; returns its loss tensor."""
+        self._ensure_set_up(None)
+        ctx = self.ctx
+        ctx.window_size, ctx.window_position, ctx.sync_gradients = 1, 0, True
+        self._train_micro_batch(batch)
+        return ctx.loss
+
+    def _train_micro_batch(self, batch: Any) -> None:
+        ctx, bus = self.ctx, self._bus
+        ctx.batch = self._move_batch(batch)
+        ctx.stage = S.BEFORE_BATCH
+        votes = bus.before_batch(ctx)
+        if not votes or not _vetoed(votes):
+            self._orchestrator.zero_gradients()
+        ctx.stage = S.BEFORE_FORWARD
+        bus.before_forward(ctx)
+        ctx.outputs = self._forward(ctx)
+        ctx.stage = S.AFTER_FORWARD
+        bus.after_forward(ctx)
+        ctx.stage = S.BEFORE_LOSS
+        bus.before_loss(ctx)
+        ctx.loss = self._loss(ctx)
+        ctx.stage = S.AFTER_LOSS
+        bus.after_loss(ctx)
+        ctx.stage = S.BEFORE_BACKWARD
+        bus.before_backward(ctx)
+        ctx.stage = S.DO_BACKWARD
+        bus.do_backward(ctx)
+        ctx.stage = S.AFTER_BACKWARD
+        bus.after_backward(ctx)
+        ctx.stage = S.BEFORE_OPTIMIZER_STEP
+        bus.before_optimizer_step(ctx)
+        ctx.stage = S.DO_OPTIMIZER_STEP
+        bus.do_optimizer_step(ctx)
+        ctx.batch_count += 1
+        ctx.epoch_step_count += 1
+        if not ctx.step_skipped:
+            ctx.step_count += 1
+            ctx.global_step_count += ctx.world_size
+        ctx.stage = S.AFTER_OPTIMIZER_STEP
+        bus.after_optimizer_step(ctx)
+        ctx.stage = S.AFTER_BATCH
+        bus.after_batch(ctx)
+
+    def _finished(self, num_epochs: int | None) -> bool:
+        ctx = self.ctx
+        if self.max_steps is not None and ctx.step_count >= self.max_steps:
+            return True
+        return num_epochs is not None and ctx.epoch >= num_epochs
+
+    def _forward(self, ctx: TrainingContext) -> Any:
+        if self.forward_fn is not None:
+            return self.forward_fn(ctx)
+        inputs, _ = _split_pair(ctx.batch)
+        return ctx.models["main"](inputs)
+
+    def _loss(self, ctx: TrainingContext) -> torch.Tensor:
+        batch = ctx.batch
+        targets = batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+        return self.loss_fn(ctx.outputs, targets)
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _ensure_set_up(self, train_loader: Iterable[Any] | None) -> None:
+        ctx = self.ctx
+        if self._is_set_up:
+            if train_loader is not None:
+                ctx.train_loader = train_loader
+            return
+        for name, model in ctx.models.items():
+            ctx.models[name] = model.to(self.device)
+        ctx.train_loader = train_loader
+        ctx.stage = S.SETUP
+        self._bus.setup(ctx)
+        for name, factory in self.optimizers.items():
+            params = [p for p in ctx.models[name].parameters() if p.requires_grad]
+            if not params:
+                raise ValueError(f"TrainingStrategy.optimizers[{name!r}]: model {name!r} has no trainable parameters")
+            optimizer = factory(params)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    f"TrainingStrategy.optimizers[{name!r}] must build a torch.optim.Optimizer "
+                    f"(got {type(optimizer).__name__})"
+                )
+            ctx.optimizers[name] = optimizer
+        for name, factory in self.lr_schedulers.items():
+            ctx.lr_schedulers[name] = factory(ctx.optimizers[name])
+        self._orchestrator.bind(ctx.optimizers, ctx.lr_schedulers)
+        self._is_set_up = True
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def validate(self, loader: Iterable[Any] | None = None) -> dict[str, Any]:
+        """Evaluate over ``loader`` (default: ``validation.data``) and fire AFTER_VALIDATION."""
+        config = self.validation or ValidationConfig()
+        loader = loader if loader is not None else config.data
+        if loader is None:
+            raise ValueError("validate(): no loader given and TrainingStrategy.validation.data is not set")
+        self._ensure_set_up(None)
+        ctx = self.ctx
+        models = self._validation_models(config)
+        loop = ValidationLoop(
+            forward=self._validation_forward,
+            loss_fn=self.loss_fn,
+            autocast=self._validation_autocast(config),
+            metrics=config.metrics,
+        )
+        summary = loop.run(models, (self._move_batch(b) for b in loader))
+        ctx.validation = summary
+        ctx.stage = S.AFTER_VALIDATION
+        self._bus.after_validation(ctx)
+        return summary
+
+    def _validation_forward(self, models: Mapping[str, torch.nn.Module], batch: Any) -> tuple[Any, Any, int]:
+        targets = batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+        if self.forward_fn is None:
+            inputs, _ = _split_pair(batch)
+            outputs = models["main"](inputs)
+        else:
+            ctx = self.ctx
+            saved_batch, saved_models = ctx.batch, ctx.models
+            ctx.batch, ctx.models = batch, dict(models)
+            try:
+                outputs = self.forward_fn(ctx)
+            finally:
+                ctx.batch, ctx.models = saved_batch, saved_models
+        return outputs, targets, _batch_size(batch)
+
+    def _validation_models(self, config: ValidationConfig) -> dict[str, torch.nn.Module]:
+        models = dict(self.ctx.models)
+        if config.use_ema:
+            averaging = [h for h in self._all_hooks() if callable(getattr(h, "get_averaged_model", None))]
+            if not averaging:
+                raise ValueError("ValidationConfig.use_ema=True but no EMA hook is registered")
+            for hook in averaging:
+                models[hook.model_key] = hook.get_averaged_model()  # type: ignore[attr-defined]
+        return models
+
+    def _validation_autocast(self, config: ValidationConfig) -> Callable[[], Any]:
+        if config.use_mixed_precision is False:
+            return contextlib.nullcontext
+        precision = [h for h in self._all_hooks() if callable(getattr(h, "autocast", None))]
+        if not precision:
+            if config.use_mixed_precision is True:
+                raise ValueError("ValidationConfig.use_mixed_precision=True but no mixed-precision hook is registered")
+            return contextlib.nullcontext
+        return precision[0].autocast  # type: ignore[attr-defined,no-any-return]
+
+    def _maybe_validate_on_step(self) -> None:
+        config = self.validation
+        if config is not None and config.every_n_steps and self.ctx.step_count % config.every_n_steps == 0:
+            if config.data is not None:
+                self.validate()
+
+    def _maybe_validate_on_epoch(self) -> None:
+        config = self.validation
+        if config is None or config.data is None:
+            return
+        interval = config.epoch_interval
+        if interval and (self.ctx.epoch + 1) % interval == 0:
+            self.validate()
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def _all_hooks(self) -> list[object]:
+        return [*self._orchestrator.hooks, *(h for h in self._closables if not isinstance(h, TrainingUpdateHook))]
+
+    def close(self) -> None:
+        """Close every hook that holds resources (reverse registration order); re-raise the first failure."""
+        self._close(None)
+
+    def _close(self, pending: BaseException | None) -> None:
+        errors: list[BaseException] = []
+        seen: set[int] = set()
+        for hook in reversed(self._closables):
+            if id(hook) in seen:
+                continue
+            seen.add(id(hook))
+            close = getattr(hook, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as err:  # collected and re-raised below, never dropped
+                    errors.append(err)
+        self._bus.close()
+        if not errors:
+            return
+        if pending is not None:
+            for err in errors:
+                pending.add_note(f"while closing hooks, {type(err).__name__}: {err}")
+            return
+        first = errors[0]
+        for err in errors[1:]:
+            first.add_note(f"another hook failed to close: {type(err).__name__}: {err}")
+        raise first
+
+    def __enter__(self) -> TrainingStrategy:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self._close(exc)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _vetoed(votes: list[Any]) -> bool:
+    vetoed = False
+    for vote in votes:
+        if vote is False:
+            vetoed = True
+        elif vote is not True:
+            raise TypeError(
+                f"stage BEFORE_BATCH: an implementation returned {type(vote).__name__} {vote!r}; "
+                "expected False (veto gradient zeroing), True or None"
+            )
+    return vetoed
+
+
+def _split_pair(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(
+        f"the default forward expects batches of (inputs, targets), got {type(batch).__name__}; "
+        "pass TrainingStrategy(forward_fn=...) for other batch shapes"
+    )
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            return _batch_size(value)
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_size(batch[0])
+    return 1
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def _mover(device: torch.device) -> Callable[[Any], Any]:
+    def move(batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return batch.to(device, non_blocking=True)
+        if isinstance(batch, Mapping):
+            return {key: move(value) for key, value in batch.items()}
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(move(value) for value in batch)
+        return batch
+
+    return move
+
+
+def _rank_and_world_size(manager: Any) -> tuple[int, int]:
+    if manager is not None:
+        return int(manager.rank), int(manager.world_size)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1

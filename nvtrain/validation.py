@@ -1,0 +1,95 @@
+"""Validation: when to run it, and the hook-agnostic loop that computes the summary."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+import attrs
+import torch
+
+__all__ = ["ValidationConfig", "ValidationLoop"]
+
+AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+Metric = Callable[[Any, Any], torch.Tensor]
+
+
+def _positive_or_none(instance: Any, attribute: attrs.Attribute[Any], value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"ValidationConfig.{attribute.name} must be an int >= 1 or None (got {value!r})")
+
+
+@attrs.frozen
+class ValidationConfig:
+    """When and how ``TrainingStrategy`` validates.
+
+    ``every_n_steps`` counts completed optimizer steps (vetoed micro-batches never
+    trigger it); ``every_n_epochs`` counts completed epochs. With neither set, the
+    strategy validates at the end of every epoch. ``use_mixed_precision``: ``"auto"``
+    follows the registered mixed-precision hook, ``True`` / ``False`` force it.
+    ``use_ema``: evaluate the EMA weights when an EMA hook is registered.
+    ``metrics`` maps names to ``fn(outputs, targets) -> tensor`` (a per-batch mean).
+    """
+
+    data: Iterable[Any] | None = None
+    every_n_steps: int | None = attrs.field(default=None, validator=_positive_or_none)
+    every_n_epochs: int | None = attrs.field(default=None, validator=_positive_or_none)
+    use_mixed_precision: bool | Literal["auto"] = attrs.field(default="auto")
+    use_ema: bool = False
+    metrics: Mapping[str, Metric] = attrs.field(factory=dict)
+
+    @use_mixed_precision.validator
+    def _check_amp(self, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value not in (True, False, "auto") or isinstance(value, int) and not isinstance(value, bool):
+            raise ValueError(f"ValidationConfig.use_mixed_precision must be True, False or 'auto' (got {value!r})")
+
+    @property
+    def epoch_interval(self) -> int | None:
+        """Epoch cadence in effect: the configured one, or every epoch when no cadence is set."""
+        if self.every_n_epochs is None and self.every_n_steps is None:
+            return 1
+        return self.every_n_epochs
+
+
+@attrs.define
+class ValidationLoop:
+    """Evaluates models over a loader; knows nothing about hooks.
+
+    ``forward(models, batch) -> (outputs, targets, batch_size)`` and ``loss_fn(outputs,
+    targets)`` come from the strategy; ``autocast`` is an explicit factory of a
+    context manager (``contextlib.nullcontext`` for full precision). The summary's
+    loss and metrics are weighted by sample count and stay tensors.
+    """
+
+    forward: Callable[[Mapping[str, torch.nn.Module], Any], tuple[Any, Any, int]]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    autocast: AutocastFactory = contextlib.nullcontext
+    metrics: Mapping[str, Metric] = attrs.field(factory=dict)
+
+    def run(self, models: Mapping[str, torch.nn.Module], loader: Iterable[Any]) -> dict[str, Any]:
+        modes = {name: model.training for name, model in models.items()}
+        for model in models.values():
+            model.eval()
+        totals: dict[str, torch.Tensor] = {}
+        num_samples = 0
+        try:
+            with torch.no_grad():
+                for batch in loader:
+                    with self.autocast():
+                        outputs, targets, size = self.forward(models, batch)
+                        values = {"loss": self.loss_fn(outputs, targets)}
+                        for name, metric in self.metrics.items():
+                            values[name] = metric(outputs, targets)
+                    for name, value in values.items():
+                        weighted = value.detach().float() * size
+                        totals[name] = totals[name] + weighted if name in totals else weighted
+                    num_samples += size
+        finally:
+            for name, model in models.items():
+                model.train(modes[name])
+        if num_samples == 0:
+            raise ValueError("validation loader yielded no samples")
+        summary: dict[str, Any] = {name: total / num_samples for name, total in totals.items()}
+        summary["num_samples"] = num_samples
+        return summary
