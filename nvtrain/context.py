@@ -51,6 +51,9 @@ class TrainingContext:
     #: Number of micro-batches in the current window, and this one's 0-based position.
     window_size: int = 1
     window_position: int = 0
+    #: True while a step scheduler drives micro-batches (window fields are set by the strategy);
+    #: False for standalone ``train_batch()``, where an accumulation hook counts for itself.
+    windowed: bool = False
     rank: int = 0
     world_size: int = 1
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
