@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
+from nvtrain.distributed import DistributedManager
 from nvtrain.hook import CheckpointableHook, Hook, TrainingUpdateHook
 from nvtrain.hookspecs import hookimpl, hookspec
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.stages import TrainingStage
 from nvtrain.stash import Stash, StashKey
+from nvtrain.step_scheduler import StepScheduler, StepSchedulerConfig
 from nvtrain.strategy import RunResult, TrainingStrategy
 from nvtrain.validation import ValidationConfig, ValidationLoop
 
@@ -16,11 +18,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointableHook",
+    "DistributedManager",
     "Hook",
     "HookBus",
     "RunResult",
     "Stash",
     "StashKey",
+    "StepScheduler",
+    "StepSchedulerConfig",
     "TrainingContext",
     "TrainingStage",
     "TrainingStrategy",

@@ -127,14 +127,19 @@ class HookBus:
         return self._tracing
 
     def register(self, plugin: object, name: str | None = None) -> str:
-        """Add a plugin; its implementations run in ascending ``priority``, then registration order."""
+        """Add a plugin; its implementations run in ascending ``priority``, then registration order.
+
+        ``name`` labels the plugin in errors and traces (a plugin class's ``plugin_name``);
+        when another plugin already holds it, a numeric suffix keeps it unique, so two
+        instances of one plugin class (two loggers, one EMA per model) can coexist.
+        Returns the name used.
+        """
         if any(entry[3] is plugin for entry in self._entries):
             raise ValueError(f"plugin {hook_label(plugin)} is already registered on this strategy")
         priority = check_priority(plugin)
         _refuse_unmarked_stage_methods(plugin)
-        name = name or f"{type(plugin).__qualname__}-{id(plugin):x}"
-        if self._pm.get_plugin(name) is not None:
-            raise ValueError(f"a plugin named {name!r} is already registered")
+        _refuse_equal_twin(plugin, [entry[3] for entry in self._entries])
+        name = self._unique_name(name or f"{type(plugin).__qualname__}-{id(plugin):x}")
         try:
             self._pm.register(plugin, name)
             self._pm.check_pending()
@@ -163,22 +168,38 @@ class HookBus:
 
     def replace(self, old: object, new: object) -> None:
         """Swap a registered plugin for another, keeping its place in the order."""
+        if any(entry[3] is new for entry in self._entries):
+            raise ValueError(f"plugin {hook_label(new)} is already registered on this strategy")
         for index, (priority, seq, name, plugin) in enumerate(self._entries):
             if plugin is old:
+                new_priority = check_priority(new)
+                _refuse_unmarked_stage_methods(new)
+                _refuse_equal_twin(new, [entry[3] for entry in self._entries if entry[3] is not old])
                 self._pm.unregister(old)
                 try:
                     self._pm.register(new, name)
                     self._pm.check_pending()
                     self._check_replacement_slots()
-                except Exception:
+                except Exception as err:
                     if self._pm.is_registered(new):
                         self._pm.unregister(new)
                     self._pm.register(old, name)
+                    self._reorder()  # old is back, but registered last: restore pluggy's call order
+                    if isinstance(err, pluggy.PluginValidationError):
+                        raise ValueError(f"plugin {name!r}: {err}") from err
                     raise
-                self._entries[index] = (check_priority(new), seq, name, new)
+                self._entries[index] = (new_priority, seq, name, new)
                 self._reorder()
                 return
         raise ValueError(f"plugin {hook_label(old)} is not registered")
+
+    def _unique_name(self, name: str) -> str:
+        candidate = name
+        for number in itertools.count(2):
+            if self._pm.get_plugin(candidate) is None and not self._pm.is_blocked(candidate):
+                return candidate
+            candidate = f"{name}-{number}"
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def plugins(self) -> list[object]:
         """Registered plugins in nvtrain order."""
@@ -233,6 +254,17 @@ class HookBus:
             else:
                 compiled = _compile_plain(tuple(_bind(impl) for impl in reversed(impls)), firstresult)
             setattr(self, stage.hook_name, compiled)
+
+
+def _refuse_equal_twin(plugin: object, registered: list[object]) -> None:
+    """pluggy tells plugins apart with ``==``: a distinct but equal plugin would be refused or confused."""
+    for other in registered:
+        if other == plugin:
+            raise ValueError(
+                f"plugin {hook_label(plugin)} compares equal to the registered plugin {hook_label(other)}, "
+                "and pluggy tells plugins apart with ==; give the class identity equality "
+                "(for attrs classes: @attrs.define(eq=False))"
+            )
 
 
 def _refuse_unmarked_stage_methods(plugin: object) -> None:

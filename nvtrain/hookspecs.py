@@ -108,7 +108,8 @@ def before_batch(ctx: TrainingContext) -> bool | None:
 
     A return value of ``False`` vetoes gradient zeroing for this micro-batch (the
     gradients of the previous micro-batch are kept and accumulated into);
-    ``None`` means no opinion. Any other value is refused with ``TypeError``.
+    ``None`` (no opinion) and ``True`` (proceed) do not. Any other value is refused
+    with ``TypeError``.
     """
 
 

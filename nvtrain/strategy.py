@@ -16,6 +16,7 @@ from nvtrain.hook import Hook, TrainingUpdateHook, hook_label
 from nvtrain.hookspecs import PROJECT_NAME
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.stages import TrainingStage
+from nvtrain.step_scheduler import StepScheduler, StepSchedulerConfig
 from nvtrain.validation import ValidationConfig, ValidationLoop
 
 __all__ = ["RunResult", "TrainingStrategy"]
@@ -80,13 +81,21 @@ def _as_factories(field_name: str) -> Callable[[Any], dict[str, Callable[..., An
     return convert
 
 
-def _as_device(value: Any) -> torch.device:
+def _as_device(value: Any) -> torch.device | None:
     if value is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return None  # resolved in __attrs_post_init__: the distributed manager's device, else cuda/cpu
     try:
         return torch.device(value)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"TrainingStrategy.device: {value!r} is not a torch device ({err})") from None
+
+
+def _default_device(manager: Any) -> torch.device:
+    """The distributed manager's device (``cuda:LOCAL_RANK``) when it has one, else cuda or cpu."""
+    device = getattr(manager, "device", None)
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _positive_int_or_none(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -95,8 +104,9 @@ def _positive_int_or_none(instance: Any, attribute: attrs.Attribute[Any], value:
 
 
 def _has_hookimpls(obj: object) -> bool:
+    """Any attribute marked with @nvtrain.hookimpl, also a misspelled one (the bus then names it)."""
     marker = PROJECT_NAME + "_impl"
-    return any(hasattr(getattr(obj, stage.hook_name, None), marker) for stage in TrainingStage)
+    return any(hasattr(getattr(obj, name, None), marker) for name in dir(obj) if not name.startswith("__"))
 
 
 # -- the strategy -----------------------------------------------------------------------
@@ -130,12 +140,15 @@ class TrainingStrategy:
     max_steps: int | None = attrs.field(default=None, validator=_positive_int_or_none)
     validation: ValidationConfig | None = attrs.field(default=None)
     distributed_manager: Any = None
+    #: Windows, cadences and preemption of ``run()`` (None: one micro-batch per step, SIGTERM preempts).
+    step_scheduler: StepSchedulerConfig | None = attrs.field(default=None, kw_only=True)
 
     ctx: TrainingContext = attrs.field(init=False)
     _bus: HookBus = attrs.field(init=False)
     _orchestrator: TrainingUpdateOrchestrator = attrs.field(init=False)
     _closables: list[object] = attrs.field(init=False, factory=list)
     _is_set_up: bool = attrs.field(init=False, default=False)
+    _setup_loader: Any = attrs.field(init=False, default=None)
     _move_batch: Callable[[Any], Any] = attrs.field(init=False)
 
     @loss_fn.validator
@@ -163,12 +176,21 @@ class TrainingStrategy:
                     f"(optimizers: {sorted(self.optimizers)})"
                 )
 
+    @step_scheduler.validator
+    def _check_step_scheduler(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and not isinstance(value, StepSchedulerConfig):
+            raise TypeError(
+                f"TrainingStrategy.step_scheduler must be a StepSchedulerConfig (got {type(value).__name__})"
+            )
+
     @validation.validator
     def _check_validation(self, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value is not None and not isinstance(value, ValidationConfig):
             raise TypeError(f"TrainingStrategy.validation must be a ValidationConfig (got {type(value).__name__})")
 
     def __attrs_post_init__(self) -> None:
+        if self.device is None:
+            self.device = _default_device(self.distributed_manager)
         rank, world_size = _rank_and_world_size(self.distributed_manager)
         self.ctx = TrainingContext(
             strategy=self, models=dict(self.models), device=self.device, rank=rank, world_size=world_size
@@ -209,11 +231,21 @@ class TrainingStrategy:
                 )
             if any(h is hook for h in self._orchestrator.hooks):
                 raise ValueError(f"update hook {hook_label(hook)} is already registered")
-            new = self._orchestrator + hook
+            new = self._orchestrator + hook  # composition errors surface before anything changes
             if self._is_set_up:
                 new.bind(self.ctx.optimizers, self.ctx.lr_schedulers)
-            self._bus.replace(self._orchestrator, new)
+            observing = _has_hookimpls(hook)
+            if observing:
+                self._bus.register(hook, getattr(hook, "plugin_name", None))
+            try:
+                self._bus.replace(self._orchestrator, new)
+            except Exception:
+                if observing:
+                    self._bus.unregister(hook)
+                raise
             self._orchestrator = new
+            self._closables.append(hook)
+            return
         self._register(hook, stage)
 
     def _register(self, hook: object, stage: TrainingStage | Iterable[TrainingStage] | None) -> None:
@@ -254,32 +286,36 @@ class TrainingStrategy:
     # -- the run ----------------------------------------------------------------------------
 
     def run(self, train_loader: Iterable[Any]) -> RunResult:
-        """Train over ``train_loader`` (any re-iterable of batches) until the epochs or ``max_steps`` end."""
+        """Train over ``train_loader`` until the epochs or ``max_steps`` end, or a preemption signal.
+
+        A :class:`~nvtrain.StepScheduler` (built from ``step_scheduler``, else from
+        ``num_epochs`` / ``max_steps``) groups micro-batches into optimizer steps and
+        decides the cadences. It is ``ctx.scheduler`` from BEFORE_TRAINING on, where a
+        hook may load a saved position; the loop starts from the scheduler's state.
+        Preemption signals are caught from BEFORE_TRAINING through AFTER_TRAINING (the
+        previous handlers come back afterwards, also on error); a preempted run ends
+        after a checkpoint step and returns ``RunResult(preempted=True)``.
+        """
         if train_loader is None:
             raise ValueError("TrainingStrategy.run(train_loader): a loader or iterable of batches is required")
         ctx, bus = self.ctx, self._bus
         self._ensure_set_up(train_loader)
+        scheduler = self._build_scheduler(ctx.train_loader)
+        ctx.scheduler = scheduler
         ctx.preempted = False
-        ctx.stage = S.BEFORE_TRAINING
-        bus.before_training(ctx)
-        num_epochs = self.num_epochs if self.num_epochs is not None or self.max_steps is not None else 1
-        while not self._finished(num_epochs):
-            ctx.epoch_step_count = 0
-            ctx.stage = S.BEFORE_EPOCH
-            bus.before_epoch(ctx)
-            for batch in ctx.train_loader:
-                ctx.window_size, ctx.window_position, ctx.sync_gradients = 1, 0, True
-                self._train_micro_batch(batch)
-                if not ctx.step_skipped:
-                    self._maybe_validate_on_step()
-                    if self.max_steps is not None and ctx.step_count >= self.max_steps:
-                        break
-            self._maybe_validate_on_epoch()
-            ctx.stage = S.AFTER_EPOCH
-            bus.after_epoch(ctx)
-            ctx.epoch += 1
-        ctx.stage = S.AFTER_TRAINING
-        bus.after_training(ctx)
+        ctx.windowed = True
+        try:
+            with scheduler:
+                ctx.stage = S.BEFORE_TRAINING
+                bus.before_training(ctx)
+                self._follow_scheduler(scheduler)
+                for epoch in scheduler.epochs:
+                    self._run_epoch(scheduler, epoch)
+                ctx.preempted = scheduler.sigterm_received
+                ctx.stage = S.AFTER_TRAINING
+                bus.after_training(ctx)
+        finally:
+            ctx.windowed = False
         return RunResult(
             step_count=ctx.step_count,
             global_step_count=ctx.global_step_count,
@@ -289,6 +325,118 @@ class TrainingStrategy:
             validation=ctx.validation,
         )
 
+    def _run_epoch(self, scheduler: StepScheduler, epoch: int) -> None:
+        """One epoch (or the rest of it after a resume): windows, step validation, epoch-end work."""
+        ctx, bus = self.ctx, self._bus
+        ctx.epoch = epoch
+        ctx.epoch_step_count = scheduler.position
+        ctx.stage = S.BEFORE_EPOCH
+        bus.before_epoch(ctx)
+        validated_at: int | None = None
+        for window in scheduler:
+            size = len(window)
+            for position, batch in enumerate(window):
+                ctx.window_size, ctx.window_position = size, position
+                ctx.sync_gradients = position == size - 1
+                self._train_micro_batch(batch, scheduler if position == size - 1 else None)
+            if scheduler.is_val_step and self._has_validation_data():
+                self._validate_in_run()
+                validated_at = ctx.step_count
+                if not scheduler.is_last_step:  # a signal that arrived during validation ends the run here
+                    ctx.preempted = scheduler.poll_preemption()
+        if not scheduler.sigterm_received and validated_at != ctx.step_count:
+            self._maybe_validate_on_epoch()
+        ctx.stage = S.AFTER_EPOCH
+        bus.after_epoch(ctx)
+        ctx.epoch = scheduler.epoch  # advanced only when the epoch's data was used up
+
+    def _build_scheduler(self, loader: Any) -> StepScheduler:
+        """The run's scheduler: its configuration, the run bounds, accumulation and where to start."""
+        ctx = self.ctx
+        config = self.step_scheduler
+        if config is None:  # no explicit cadences: checkpoint at epoch ends, the last step and preemption
+            config = StepSchedulerConfig(ckpt_every_steps=None, validate_on_checkpoint=False)
+        num_epochs, max_steps = self._run_bounds()
+        local_batch_size = _local_batch_size(loader)
+        dp_size = ctx.world_size
+        accumulation = self._accumulation_hook()
+        if config.global_batch_size is not None:
+            global_batch_size = config.global_batch_size
+        else:
+            steps = 1 if accumulation is None else int(accumulation.steps)  # type: ignore[attr-defined]
+            global_batch_size = steps * local_batch_size * dp_size
+        val_every = [config.val_every_steps, self.validation.every_n_steps if self.validation is not None else None]
+        progressed = ctx.step_count > 0 or ctx.epoch > 0 or isinstance(ctx.scheduler, StepScheduler)
+        scheduler = StepScheduler(
+            global_batch_size=global_batch_size,
+            local_batch_size=local_batch_size,
+            dp_size=dp_size,
+            dataloader=loader,
+            ckpt_every_steps=config.ckpt_every_steps,
+            save_checkpoint_every_epoch=config.save_checkpoint_every_epoch,
+            validate_on_checkpoint=config.validate_on_checkpoint,
+            val_every_steps=[every for every in val_every if every is not None],
+            log_remote_every_steps=config.log_remote_every_steps,
+            loss_average_window_steps=config.loss_average_window_steps,
+            gc_every_steps=config.gc_every_steps,
+            start_step=ctx.step_count if progressed else config.start_step,
+            start_epoch=ctx.epoch if progressed else config.start_epoch,
+            num_epochs=num_epochs,
+            max_steps=max_steps,
+            preemption_signal=config.preemption_signal,
+            process_group=getattr(self.distributed_manager, "process_group", None),
+            synchronized_stream=bool(getattr(loader, "synchronized_stream", False)),
+        )
+        self._ensure_accumulation(scheduler, accumulation)
+        previous = ctx.scheduler
+        if isinstance(previous, StepScheduler) and previous.dataloader is loader:
+            with contextlib.suppress(ValueError):  # another batch configuration: start the epoch afresh
+                scheduler.load_state_dict(previous.state_dict())  # continue where the last run stopped
+        return scheduler
+
+    def _run_bounds(self) -> tuple[int | None, int | None]:
+        config = self.step_scheduler
+        bounds = []
+        for name in ("num_epochs", "max_steps"):
+            mine = getattr(self, name)
+            theirs = getattr(config, name) if config is not None else None
+            if mine is not None and theirs is not None and mine != theirs:
+                raise ValueError(
+                    f"TrainingStrategy.{name}={mine} and TrainingStrategy.step_scheduler.{name}={theirs} "
+                    "disagree; set it in one place"
+                )
+            bounds.append(theirs if theirs is not None else mine)
+        return bounds[0], bounds[1]
+
+    def _accumulation_hook(self) -> TrainingUpdateHook | None:
+        hooks = [h for h in self._orchestrator.hooks if type(h).__name__ == "GradientAccumulationHook"]
+        return hooks[0] if hooks else None
+
+    def _ensure_accumulation(self, scheduler: StepScheduler, hook: TrainingUpdateHook | None) -> None:
+        """Windows of several micro-batches need the accumulation hook: check it, or register one."""
+        steps = scheduler.grad_acc_steps
+        if hook is not None:
+            hook_steps = getattr(hook, "steps", None)
+            if hook_steps != steps:
+                raise ValueError(
+                    f"TrainingStrategy: step_scheduler.global_batch_size={scheduler.global_batch_size} with "
+                    f"local_batch_size={scheduler.local_batch_size} and dp_size={scheduler.dp_size} means "
+                    f"grad_acc_steps={steps}, but the registered GradientAccumulationHook has steps={hook_steps}; "
+                    "drop one of them or make them agree"
+                )
+        elif steps > 1:
+            from nvtrain.hooks.accumulation import GradientAccumulationHook
+
+            self.register_hook(GradientAccumulationHook(steps=steps))
+
+    def _follow_scheduler(self, scheduler: StepScheduler) -> None:
+        """After BEFORE_TRAINING (where a resume may load a position) the counters follow the scheduler."""
+        ctx = self.ctx
+        if ctx.step_count != scheduler.step:
+            ctx.global_step_count += (scheduler.step - ctx.step_count) * ctx.world_size
+            ctx.step_count = scheduler.step
+        ctx.epoch = scheduler.epoch
+
     def train_batch(self, batch: Any) -> torch.Tensor | None:
         """Run one micro-batch through every batch stage outside ``run()``; returns its loss tensor."""
         self._ensure_set_up(None)
@@ -297,12 +445,13 @@ class TrainingStrategy:
         self._train_micro_batch(batch)
         return ctx.loss
 
-    def _train_micro_batch(self, batch: Any) -> None:
+    def _train_micro_batch(self, batch: Any, boundary: StepScheduler | None = None) -> None:
+        """All batch stages for one micro-batch; ``boundary`` closes the scheduler's step after DO_OPTIMIZER_STEP."""
         ctx, bus = self.ctx, self._bus
         ctx.batch = self._move_batch(batch)
         ctx.stage = S.BEFORE_BATCH
         votes = bus.before_batch(ctx)
-        if not votes or not _vetoed(votes):
+        if not votes or not _vetoed(votes, bus):
             self._orchestrator.zero_gradients()
         ctx.stage = S.BEFORE_FORWARD
         bus.before_forward(ctx)
@@ -329,16 +478,13 @@ class TrainingStrategy:
         if not ctx.step_skipped:
             ctx.step_count += 1
             ctx.global_step_count += ctx.world_size
+        if boundary is not None:  # the step boundary: predicates now describe this step; preemption polled once
+            boundary.finish_step(stepped=not ctx.step_skipped)
+            ctx.preempted = boundary.sigterm_received
         ctx.stage = S.AFTER_OPTIMIZER_STEP
         bus.after_optimizer_step(ctx)
         ctx.stage = S.AFTER_BATCH
         bus.after_batch(ctx)
-
-    def _finished(self, num_epochs: int | None) -> bool:
-        ctx = self.ctx
-        if self.max_steps is not None and ctx.step_count >= self.max_steps:
-            return True
-        return num_epochs is not None and ctx.epoch >= num_epochs
 
     def _forward(self, ctx: TrainingContext) -> Any:
         if self.forward_fn is not None:
@@ -356,7 +502,11 @@ class TrainingStrategy:
     def _ensure_set_up(self, train_loader: Iterable[Any] | None) -> None:
         ctx = self.ctx
         if self._is_set_up:
-            if train_loader is not None:
+            # The loader SETUP saw may have been replaced by a plugin (a DDP sampler): keep the
+            # replacement when the same loader comes back; a new loader is used as given.
+            if train_loader is not None and train_loader is not self._setup_loader:
+                ctx.train_loader = train_loader
+            elif train_loader is not None and ctx.train_loader is None:
                 ctx.train_loader = train_loader
             return
         for name, model in ctx.models.items():
@@ -364,6 +514,7 @@ class TrainingStrategy:
         ctx.train_loader = train_loader
         ctx.stage = S.SETUP
         self._bus.setup(ctx)
+        self._setup_loader = train_loader
         for name, factory in self.optimizers.items():
             params = [p for p in ctx.models[name].parameters() if p.requires_grad]
             if not params:
@@ -438,11 +589,17 @@ class TrainingStrategy:
             return contextlib.nullcontext
         return precision[0].autocast  # type: ignore[attr-defined,no-any-return]
 
-    def _maybe_validate_on_step(self) -> None:
-        config = self.validation
-        if config is not None and config.every_n_steps and self.ctx.step_count % config.every_n_steps == 0:
-            if config.data is not None:
-                self.validate()
+    def _has_validation_data(self) -> bool:
+        return self.validation is not None and self.validation.data is not None
+
+    def _validate_in_run(self) -> None:
+        """Validate without touching the training RNG streams, so a resumed run draws what a straight one does."""
+        device = self.device
+        devices = []
+        if device.type == "cuda":
+            devices = [device.index if device.index is not None else torch.cuda.current_device()]
+        with torch.random.fork_rng(devices=devices):
+            self.validate()
 
     def _maybe_validate_on_epoch(self) -> None:
         config = self.validation
@@ -450,7 +607,36 @@ class TrainingStrategy:
             return
         interval = config.epoch_interval
         if interval and (self.ctx.epoch + 1) % interval == 0:
-            self.validate()
+            self._validate_in_run()
+
+    # -- state and resume (nvtrain/state.py does the work) -----------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a bitwise resume needs (weights, optimizers, counters, data position, RNG, hook
+        states), as live references like ``nn.Module.state_dict()``."""
+        from nvtrain.state import capture_state
+
+        return capture_state(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`: now once set up, else at the next run's BEFORE_TRAINING."""
+        from nvtrain.state import load_state
+
+        load_state(self, state)
+
+    def restore(self, path: Any) -> None:
+        """Restore the checkpoint at ``path`` (read by the installed nvtrain-checkpoint distribution)."""
+        from nvtrain.state import find_checkpoint_reader, load_state, strategy_hooks
+
+        state = find_checkpoint_reader(strategy_hooks(self))(path)
+        load_state(self, state, source=f"checkpoint {str(path)!r}")
+
+    @classmethod
+    def load_checkpoint(cls, path: Any, **kwargs: Any) -> TrainingStrategy:
+        """Build a strategy from the constructor's arguments and restore the checkpoint at ``path``."""
+        strategy = cls(**kwargs)
+        strategy.restore(path)
+        return strategy
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -496,17 +682,24 @@ class TrainingStrategy:
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _vetoed(votes: list[Any]) -> bool:
+def _vetoed(votes: list[Any], bus: HookBus) -> bool:
     vetoed = False
     for vote in votes:
         if vote is False:
             vetoed = True
         elif vote is not True:
+            names = [impl.plugin_name for impl in bus.implementations(S.BEFORE_BATCH)]
             raise TypeError(
-                f"stage BEFORE_BATCH: an implementation returned {type(vote).__name__} {vote!r}; "
-                "expected False (veto gradient zeroing), True or None"
+                f"stage BEFORE_BATCH: one of {names} returned {type(vote).__name__} {vote!r}; "
+                "expected False (veto gradient zeroing), True or None (no veto)"
             )
     return vetoed
+
+
+def _local_batch_size(loader: Any) -> int:
+    """Samples per micro-batch: the loader's ``batch_size`` when it has one, else 1."""
+    size = getattr(loader, "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else 1
 
 
 def _split_pair(batch: Any) -> tuple[Any, Any]:

@@ -11,12 +11,45 @@ from typing import Any
 
 # --- built-in hooks (core update policies and observers) -----------------------
 # BEGIN BUILTINS
-__all__: list[str] = []
+from nvtrain.hooks.accumulation import GradientAccumulationHook
+from nvtrain.hooks.clipping import GradientClippingHook
+from nvtrain.hooks.finetune import ModulePatchHook, TrainableParameterHook
+from nvtrain.hooks.spike_skip import SpikeSkipHook
+from nvtrain.hooks.timing import StageTimingHook
+
+__all__: list[str] = [
+    "GradientAccumulationHook",
+    "GradientClippingHook",
+    "ModulePatchHook",
+    "SpikeSkipHook",
+    "StageTimingHook",
+    "TrainableParameterHook",
+]
 # END BUILTINS
 
 
 # --- lazily re-exported plugin hooks --------------------------------------------
 # BEGIN PLUGIN EXPORTS
+#: Hook classes of the plugins nvtrain ships: class name -> (distribution, module).
+#: They resolve only from that distribution; a missing one raises ImportError naming it.
+#: Classes of any other installed plugin (its ``__nvtrain_hooks__``) resolve too.
+PLUGIN_HOOK_CLASSES: dict[str, tuple[str, str]] = {
+    "MixedPrecisionHook": ("nvtrain-amp", "nvtrain_amp"),
+    "EMAHook": ("nvtrain-ema", "nvtrain_ema"),
+    "TorchProfilerHook": ("nvtrain-profiler", "nvtrain_profiler"),
+    "CheckpointHook": ("nvtrain-checkpoint", "nvtrain_checkpoint"),
+    "DDPHook": ("nvtrain-ddp", "nvtrain_ddp"),
+}
+
+
 def __getattr__(name: str) -> Any:
-    raise AttributeError(f"module 'nvtrain.hooks' has no attribute {name!r}")
+    """Resolve a plugin's hook class on first use, so importing this module imports no plugin.
+
+    Only CapWords names are looked up: dunders and submodule names never import plugins.
+    """
+    if not name[:1].isupper():
+        raise AttributeError(f"module 'nvtrain.hooks' has no attribute {name!r}")
+    from nvtrain.plugins._exports import resolve_hook_class
+
+    return resolve_hook_class(name, PLUGIN_HOOK_CLASSES)
 # END PLUGIN EXPORTS

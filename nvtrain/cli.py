@@ -1,0 +1,74 @@
+"""The ``nvtrain`` command: one argparse parser, one module per subcommand.
+
+Subcommands live in their own modules, listed in :data:`COMMANDS`. A subcommand
+module defines::
+
+    HELP = "one line for `nvtrain --help`"
+    def add_arguments(parser: argparse.ArgumentParser) -> None: ...
+    def run(args: argparse.Namespace) -> int: ...      # the exit code
+
+and keeps heavy imports inside ``run`` so ``nvtrain --help`` stays quick. Adding
+a subcommand is adding a module and one line here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+#: Subcommand name -> module implementing it.
+COMMANDS: dict[str, str] = {
+    "train": "nvtrain.commands.train",
+    "validate": "nvtrain.commands.validate",
+    "plot": "nvtrain.commands.plot",
+    "plugins": "nvtrain.commands.plugins",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from nvtrain import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="nvtrain",
+        description="nvtrain: a PyTorch training loop whose stages are pluggy hooks.",
+    )
+    parser.add_argument("--version", action="version", version=f"nvtrain {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        module = _command_module(name, module_name)
+        sub = subparsers.add_parser(
+            name,
+            help=module.HELP,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``nvtrain`` console script and of ``python -m nvtrain``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args._run(args))
+
+
+def _command_module(name: str, module_name: str) -> ModuleType:
+    module = importlib.import_module(module_name)
+    for attribute in ("HELP", "add_arguments", "run"):
+        if not hasattr(module, attribute):
+            raise TypeError(f"nvtrain subcommand {name!r}: module {module_name} does not define {attribute}")
+    return module
+
+
+if __name__ == "__main__":
+    sys.exit(main())

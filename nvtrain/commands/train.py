@@ -1,0 +1,88 @@
+"""Train a model from a YAML config; with no config, the built-in example (an MLP on
+scikit-learn's handwritten digits: no download).
+
+    nvtrain train                                  # the built-in job, into runs/digits/
+    nvtrain train my.yaml --set trainer.max_steps=200
+    nvtrain train --print-config > my.yaml         # start your own from the built-in one
+
+Exit status: 0 done; 1 training failed; 2 bad config or arguments (one line on
+stderr, nothing written); 75 stopped by a preemption signal after a checkpoint
+(run the same command again to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["HELP", "add_arguments", "add_config_arguments", "run"]
+
+HELP = "train from a YAML config (default: the built-in digits example)"
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """CONFIG and --set, shared by ``train`` and ``validate``."""
+    parser.add_argument(
+        "config",
+        metavar="CONFIG",
+        nargs=None if required else "?",
+        help="a YAML config file" + ("" if required else " (default: the built-in digits example)"),
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a field, e.g. --set trainer.max_steps=200 (a YAML value; repeatable)",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the fully resolved config as YAML and exit without training",
+    )
+
+
+class _StderrHandler:
+    """Marker base: the handler ``show_logs`` installs (so it is installed once)."""
+
+
+def show_logs() -> None:
+    """Print nvtrain's INFO messages (a resume, a preemption) and everyone's warnings on stderr."""
+    import logging
+
+    class StderrHandler(logging.StreamHandler, _StderrHandler):  # type: ignore[type-arg]
+        def emit(self, record: logging.LogRecord) -> None:
+            self.stream = sys.stderr  # whatever stderr is now (tests and notebooks replace it)
+            super().emit(record)
+
+    root = logging.getLogger()
+    if any(isinstance(h, _StderrHandler) for h in root.handlers):
+        return
+    handler = StderrHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(lambda record: record.levelno >= logging.WARNING or record.name.startswith("nvtrain"))
+    root.addHandler(handler)
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nvtrain.app import EXIT_USAGE, prepare, train
+    from nvtrain.config import ConfigError, dump_config, load_config
+
+    try:
+        loaded = load_config(args.config, args.overrides)
+        if args.print_config:
+            sys.stdout.write(dump_config(loaded.config))
+            return 0
+        plan = prepare(loaded)
+    except (ConfigError, ImportError) as err:
+        print(f"nvtrain train: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    show_logs()
+    return train(plan).exit_code

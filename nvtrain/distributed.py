@@ -1,0 +1,353 @@
+"""Where this process sits in a torch.distributed job: rank, world size, device.
+
+nvtrain does not launch processes; ``torchrun`` (single or multi node) does, and
+describes the job in environment variables. :class:`DistributedManager` reads
+them once, initialises ``torch.distributed`` when the job has more than one
+process (NCCL with CUDA, gloo otherwise) and tells the strategy and plugins
+the answer. A plain ``python train.py`` is a world of one and needs no
+environment at all.
+
+:func:`unwrap_model` gives the module under a data-parallel (or compiled)
+wrapper; checkpoints and averaged weights are taken from it so they load into
+a plain model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any, ClassVar, final
+
+import attrs
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistributedManager", "TorchrunEnv", "default_backend", "unwrap_model"]
+
+
+@attrs.frozen
+class TorchrunEnv:
+    """The torchrun environment variables of this process, parsed and checked.
+
+    ``torchrun`` sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` for every worker.
+    Without them (a plain ``python`` run) this is a world of one.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv:
+        """Read and check the variables; errors name the variable and what it held."""
+        env = os.environ if environ is None else environ
+        world_size = _env_int(env, "WORLD_SIZE", 1, minimum=1)
+        rank = _env_int(env, "RANK", 0, minimum=0)
+        if world_size > 1 and "RANK" not in env:
+            raise ValueError(
+                f"DistributedManager: WORLD_SIZE={world_size} but RANK is not set; launch with torchrun "
+                "(or set RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process)"
+            )
+        if rank >= world_size:
+            raise ValueError(f"DistributedManager: RANK={rank} must be smaller than WORLD_SIZE={world_size}")
+        local_rank = _env_int(env, "LOCAL_RANK", rank if world_size > 1 and "LOCAL_RANK" not in env else 0, minimum=0)
+        local_world_size = _env_int(env, "LOCAL_WORLD_SIZE", world_size, minimum=1)
+        master_addr = env.get("MASTER_ADDR") or None
+        master_port = _env_int(env, "MASTER_PORT", 0, minimum=1) if "MASTER_PORT" in env else None
+        if world_size > 1 and (master_addr is None or master_port is None):
+            missing = [
+                name for name, value in (("MASTER_ADDR", master_addr), ("MASTER_PORT", master_port)) if value is None
+            ]
+            raise ValueError(
+                f"DistributedManager: WORLD_SIZE={world_size} but {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set; torchrun sets them (--master-addr/--master-port "
+                "or a rendezvous endpoint)"
+            )
+        return cls(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"DistributedManager: environment variable {name} must be an integer (got {raw!r})") from None
+    if value < minimum:
+        raise ValueError(f"DistributedManager: environment variable {name} must be >= {minimum} (got {value})")
+    return value
+
+
+def default_backend(device: torch.device) -> str:
+    """NCCL for CUDA devices (when built with it), gloo otherwise."""
+    if device.type == "cuda" and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def _default_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+@attrs.frozen
+class _State:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    process_group: Any = None
+    owns_process_group: bool = False
+    initialized: bool = False
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = False
+
+
+@final
+class DistributedManager:
+    """One view, shared by every instance, of this process's place in the job.
+
+    Call :meth:`initialize` once at the start of the program, then build as many
+    ``DistributedManager()`` as you like: they all read the same state. Before
+    ``initialize()`` an instance describes a single process on the default
+    device (``cuda:0`` or CPU)::
+
+        DistributedManager.initialize()        # reads torchrun's environment
+        manager = DistributedManager()
+        strategy = TrainingStrategy(..., distributed_manager=manager)
+        ...
+        DistributedManager.cleanup()           # destroys only what initialize() created
+
+    ``find_unused_parameters`` and ``broadcast_buffers`` are the defaults the
+    DDP plugin uses when its own fields are ``None``.
+    """
+
+    _state: ClassVar[_State | None] = None
+
+    __slots__ = ()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    def initialize(
+        cls,
+        *,
+        backend: str | None = None,
+        timeout: datetime.timedelta | None = None,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = False,
+    ) -> DistributedManager:
+        """Read torchrun's environment; with ``WORLD_SIZE > 1`` initialise ``torch.distributed``.
+
+        The device is ``cuda:LOCAL_RANK`` when CUDA is available (made the current
+        device), else the CPU; the backend is ``backend`` or NCCL with CUDA and gloo
+        otherwise. If ``torch.distributed`` is already initialised (by your code), it is
+        adopted and :meth:`cleanup` leaves it alone. Calling ``initialize()`` again
+        returns the existing manager.
+        """
+        for name, value in (
+            ("find_unused_parameters", find_unused_parameters),
+            ("broadcast_buffers", broadcast_buffers),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"DistributedManager.initialize: {name} must be a bool (got {value!r})")
+        if backend is not None and (not isinstance(backend, str) or not backend):
+            raise ValueError(
+                f"DistributedManager.initialize: backend must be a non-empty str or None (got {backend!r})"
+            )
+        if cls._state is not None and cls._state.initialized:
+            return cls()
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+            env = TorchrunEnv.from_environ()
+            local_rank = env.local_rank if env.world_size == world_size else rank
+            device = _default_device(local_rank)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            cls._state = _State(
+                rank=rank,
+                local_rank=local_rank,
+                world_size=world_size,
+                local_world_size=env.local_world_size if env.world_size == world_size else world_size,
+                device=device,
+                backend=str(dist.get_backend()),
+                process_group=dist.group.WORLD,
+                owns_process_group=False,
+                initialized=True,
+                find_unused_parameters=find_unused_parameters,
+                broadcast_buffers=broadcast_buffers,
+            )
+            return cls()
+        env = TorchrunEnv.from_environ()
+        device = _default_device(env.local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        state = _State(
+            rank=env.rank,
+            local_rank=env.local_rank,
+            world_size=env.world_size,
+            local_world_size=env.local_world_size,
+            device=device,
+            initialized=True,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+        )
+        if env.world_size > 1:
+            if not dist.is_available():
+                raise RuntimeError(
+                    f"DistributedManager.initialize: WORLD_SIZE={env.world_size} but this torch build has no "
+                    "torch.distributed support"
+                )
+            chosen = backend or default_backend(device)
+            kwargs: dict[str, Any] = {}
+            if timeout is not None:
+                kwargs["timeout"] = timeout
+            dist.init_process_group(
+                backend=chosen, init_method="env://", rank=env.rank, world_size=env.world_size, **kwargs
+            )
+            state = attrs.evolve(state, backend=chosen, process_group=dist.group.WORLD, owns_process_group=True)
+        cls._state = state
+        return cls()
+
+    @classmethod
+    def is_initialized(cls) -> bool:
+        """Whether :meth:`initialize` ran (and :meth:`cleanup` has not)."""
+        return cls._state is not None and cls._state.initialized
+
+    @classmethod
+    def cleanup(cls) -> None:
+        """Destroy the process group if :meth:`initialize` created it; forget the state."""
+        state = cls._state
+        cls._state = None
+        if state is not None and state.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- the view ----------------------------------------------------------------------
+
+    @classmethod
+    def _current(cls) -> _State:
+        state = cls._state
+        if state is None:
+            state = _State(device=_default_device(0))
+        return state
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this process (0 in a single process)."""
+        return self._current().rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node (picks the GPU)."""
+        return self._current().local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+        return self._current().world_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Number of processes on this node."""
+        return self._current().local_world_size
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:LOCAL_RANK`` with CUDA, else the CPU."""
+        return self._current().device
+
+    @property
+    def backend(self) -> str | None:
+        """The torch.distributed backend in use, or None in a single process."""
+        return self._current().backend
+
+    @property
+    def process_group(self) -> Any:
+        """The process group for data parallelism (the default group), or None when not distributed."""
+        return self._current().process_group
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether a torch.distributed process group is in use."""
+        return self._current().process_group is not None
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """Default for ``DistributedDataParallel(find_unused_parameters=...)``."""
+        return self._current().find_unused_parameters
+
+    @find_unused_parameters.setter
+    def find_unused_parameters(self, value: bool) -> None:
+        self._set_flag("find_unused_parameters", value)
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Default for ``DistributedDataParallel(broadcast_buffers=...)``."""
+        return self._current().broadcast_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self._set_flag("broadcast_buffers", value)
+
+    @classmethod
+    def _set_flag(cls, name: str, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"DistributedManager.{name} must be a bool (got {value!r})")
+        changes: dict[str, Any] = {name: value}
+        cls._state = attrs.evolve(cls._current(), **changes)
+
+    def barrier(self) -> None:
+        """Wait for every process of the job; a no-op in a single process."""
+        if self.is_distributed:
+            state = self._current()
+            if state.backend == "nccl":
+                dist.barrier(group=state.process_group, device_ids=[state.device.index or 0])
+            else:
+                dist.barrier(group=state.process_group)
+
+    def __repr__(self) -> str:
+        state = self._current()
+        return (
+            f"DistributedManager(rank={state.rank}, local_rank={state.local_rank}, world_size={state.world_size}, "
+            f"device={str(state.device)!r}, backend={state.backend!r}, initialized={state.initialized})"
+        )
+
+
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The module under data-parallel and ``torch.compile`` wrappers (itself when unwrapped).
+
+    Checkpoints and averaged (EMA) weights are taken from the unwrapped module, so
+    their keys carry no ``module.`` / ``_orig_mod.`` prefix and load into a plain model.
+    """
+    while True:
+        if isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            module = module.module
+        elif _is_compiled(module):
+            module = module._orig_mod  # type: ignore[assignment]
+        else:
+            return module
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    # Only torch.compile builds OptimizedModule; without torch._dynamo imported there is none
+    # (and importing it just to check would cost seconds).
+    if "torch._dynamo" not in sys.modules:
+        return False
+    return isinstance(module, sys.modules["torch._dynamo"].eval_frame.OptimizedModule)

@@ -1,0 +1,111 @@
+"""Gradient accumulation: one optimizer step per window of micro-batches."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+import torch
+
+from nvtrain.hook import TrainingUpdateHook
+from nvtrain.stages import TrainingStage
+
+if TYPE_CHECKING:
+    from nvtrain.context import TrainingContext
+
+__all__ = ["GradientAccumulationHook"]
+
+_BEFORE_BATCH = TrainingStage.BEFORE_BATCH
+_DO_BACKWARD = TrainingStage.DO_BACKWARD
+_DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
+
+
+def _int_at_least(minimum: int | None) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+            expected = "an int" if minimum is None else f"an int >= {minimum}"
+            raise ValueError(f"{type(instance).__name__}.{attribute.name} must be {expected} (got {value!r})")
+
+    return check
+
+
+@attrs.define(eq=False)
+class GradientAccumulationHook(TrainingUpdateHook):
+    """Accumulate gradients over ``steps`` micro-batches, then step once.
+
+    On every micro-batch but the first of a window it vetoes gradient zeroing; on
+    every one but the last it vetoes the optimizer step. At DO_BACKWARD it divides
+    the loss by the real size of the window, so the accumulated gradient is the
+    mean over the window, also for a trailing partial window (5 micro-batches with
+    ``steps=2`` give windows of 2, 2 and 1; the last is stepped and divided by 1).
+
+    Where the windows come from:
+
+    - in ``run()`` the step scheduler builds windows of ``steps`` micro-batches
+      (it reads this hook's ``steps``), shorter at the end of an epoch, and the
+      strategy sets ``ctx.window_size`` / ``ctx.window_position`` /
+      ``ctx.sync_gradients`` before each micro-batch (``ctx.windowed`` is True);
+    - in standalone ``train_batch()`` calls (``ctx.windowed`` False) the hook
+      counts micro-batches itself, in windows of ``steps``, and publishes the
+      three fields at its BEFORE_BATCH call.
+
+    ``ctx.sync_gradients`` is True on the micro-batch that ends a window: a DDP
+    hook reads it (from BEFORE_FORWARD on) to skip the gradient all-reduce on the
+    others. The standalone counter is part of ``state_dict()`` so a resume
+    continues the same window.
+    """
+
+    plugin_name: ClassVar[str] = "accumulate"
+    stages: ClassVar[frozenset[TrainingStage]] = frozenset({_BEFORE_BATCH, _DO_BACKWARD, _DO_OPTIMIZER_STEP})
+    exclusive_key: ClassVar[str | None] = "gradient_accumulation"
+
+    #: Micro-batches per optimizer step (the window size K).
+    steps: int = attrs.field(validator=_int_at_least(1))
+    priority: int = attrs.field(default=10, validator=_int_at_least(None))
+
+    # standalone counting: position of the next micro-batch in its window
+    _position: int = attrs.field(init=False, default=0, repr=False)
+
+    def __call__(self, ctx: TrainingContext, stage: TrainingStage, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
+        if stage is _DO_BACKWARD:
+            size = ctx.window_size
+            loss: torch.Tensor = ctx.loss  # type: ignore[assignment]  # a tensor: the orchestrator checked
+            return True, (loss if size == 1 else loss / size)
+        if stage is _DO_OPTIMIZER_STEP:
+            return ctx.window_position == ctx.window_size - 1, None
+        if stage is _BEFORE_BATCH:
+            if not ctx.windowed:
+                self._count(ctx)
+            elif self._position:
+                self._position = 0  # the scheduler's windows replace a standalone window left open
+            return ctx.window_position == 0, None
+        return True, ctx.loss
+
+    def _count(self, ctx: TrainingContext) -> None:
+        """Place this micro-batch in a window and publish it on ``ctx`` (standalone mode)."""
+        position, size = self._position, self.steps
+        ctx.window_size = size
+        ctx.window_position = position
+        last = position == size - 1
+        ctx.sync_gradients = last
+        self._position = 0 if last else position + 1
+
+    # -- resume ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The standalone window counter (the step scheduler keeps its own when it drives windows)."""
+        return {"steps": self.steps, "position": self._position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        steps = int(state["steps"])
+        if steps != self.steps:
+            raise ValueError(
+                f"GradientAccumulationHook.load_state_dict: the state was saved with steps={steps}, "
+                f"this hook has steps={self.steps}"
+            )
+        position = int(state["position"])
+        if not 0 <= position < steps:
+            raise ValueError(
+                f"GradientAccumulationHook.load_state_dict: position {position} is not in a window of {steps}"
+            )
+        self._position = position

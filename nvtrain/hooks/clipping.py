@@ -1,0 +1,178 @@
+"""Gradient clipping, by total norm or by value, on the steps that really run."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+import torch
+
+from nvtrain.hook import TrainingUpdateHook
+from nvtrain.stages import TrainingStage
+from nvtrain.stash import StashKey
+
+if TYPE_CHECKING:
+    from nvtrain.context import TrainingContext
+
+__all__ = ["GRAD_NORM", "GradientClippingHook", "OptimizerParameters", "total_grad_norm"]
+
+_DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
+
+#: ``(ctx.batch_count, total norm)`` of all optimizers' gradients before clipping, published by a
+#: GradientClippingHook without ``model_keys`` at DO_OPTIMIZER_STEP, so a later hook (spike
+#: skipping) reuses the norm of this very micro-batch instead of computing it again.
+GRAD_NORM: StashKey[tuple[int, torch.Tensor]] = StashKey("grad_norm")
+
+
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """Total ``norm_type`` norm of the gradients of ``parameters``, as a tensor (no host sync)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is not None:  # torch >= 2.6
+        return get_total_norm(grads, norm_type)  # type: ignore[no-any-return]
+    norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+
+
+class OptimizerParameters:
+    """The parameters of the optimizers built for ``model_keys`` (all when None), once each.
+
+    The list is rebuilt only when the optimizers or their parameter groups change,
+    not on every step.
+    """
+
+    __slots__ = ("_key", "_params", "model_keys", "owner")
+
+    def __init__(self, model_keys: tuple[str, ...] | None, owner: str) -> None:
+        self.model_keys = model_keys
+        self.owner = owner
+        self._key: tuple[int, ...] = ()
+        self._params: list[torch.Tensor] = []
+
+    def __call__(self, ctx: TrainingContext) -> list[torch.Tensor]:
+        selected = self._select(ctx.optimizers)
+        key = tuple(
+            part
+            for optimizer in selected
+            for group in optimizer.param_groups
+            for part in (id(group["params"]), len(group["params"]))
+        )
+        if key != self._key:
+            params: dict[torch.Tensor, None] = {}
+            for optimizer in selected:
+                for group in optimizer.param_groups:
+                    params.update(dict.fromkeys(group["params"]))
+            self._key, self._params = key, list(params)
+        return self._params
+
+    def _select(self, optimizers: dict[str, torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        keys = self.model_keys
+        if keys is None:
+            return list(optimizers.values())
+        missing = [key for key in keys if key not in optimizers]
+        if missing:
+            raise KeyError(
+                f"{self.owner}.model_keys names {missing} but the strategy built optimizers only for "
+                f"{sorted(optimizers)}"
+            )
+        return [optimizers[key] for key in keys]
+
+
+def _positive_float_or_none(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value):
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a number > 0 or None (got {value!r})")
+
+
+def _norm_type(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a number > 0, e.g. 2.0 or float('inf') (got {value!r})"
+        )
+
+
+def _model_keys(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if not value or not all(isinstance(key, str) and key for key in value):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be None or a non-empty tuple of model names "
+            f"(got {value!r})"
+        )
+
+
+def _as_key_tuple(value: Any) -> tuple[str, ...] | None:
+    if value is None or isinstance(value, tuple):
+        return value
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def _int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{type(instance).__name__}.{attribute.name} must be an int (got {value!r})")
+
+
+@attrs.define(eq=False)
+class GradientClippingHook(TrainingUpdateHook):
+    """Clip gradients right before an optimizer step that will run.
+
+    Give ``max_norm`` (with ``norm_type``, default 2) to rescale the gradients so
+    their total norm is at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``),
+    or ``max_value`` to clamp every gradient element into ``[-max_value, max_value]``
+    (``torch.nn.utils.clip_grad_value_``). Exactly one of the two.
+
+    It acts at DO_OPTIMIZER_STEP only when no earlier hook vetoed the step
+    (``will_skip`` False): not on accumulating micro-batches, and after a
+    mixed-precision hook (priority 20) has unscaled the gradients. It never vetoes.
+
+    The clipped set is every optimizer's parameters, or, with ``model_keys``, the
+    parameters of the optimizers built for those models (two hooks can clip two
+    models with different limits). The total norm before clipping is stored as a
+    tensor in ``ctx.metrics["grad_norm"]`` (``"grad_norm/<keys>"`` with
+    ``model_keys``); nothing is read back to the host.
+    """
+
+    plugin_name: ClassVar[str] = "clip"
+    stages: ClassVar[frozenset[TrainingStage]] = frozenset({_DO_OPTIMIZER_STEP})
+
+    max_norm: float | None = attrs.field(default=None, validator=_positive_float_or_none)
+    norm_type: float = attrs.field(default=2.0, validator=_norm_type)
+    max_value: float | None = attrs.field(default=None, validator=_positive_float_or_none)
+    model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_key_tuple, validator=_model_keys)
+    #: Passed to the torch clipping functions; None lets torch pick the fastest implementation.
+    foreach: bool | None = None
+    priority: int = attrs.field(default=30, validator=_int)
+
+    _metric: str = attrs.field(init=False, repr=False)
+    _params: OptimizerParameters = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.max_norm is None) == (self.max_value is None):
+            raise ValueError(
+                "GradientClippingHook needs exactly one of max_norm (clip the total norm) or max_value "
+                f"(clamp each element) (got max_norm={self.max_norm!r}, max_value={self.max_value!r})"
+            )
+        self._metric = "grad_norm" if self.model_keys is None else "grad_norm/" + "+".join(self.model_keys)
+        self._params = OptimizerParameters(self.model_keys, "GradientClippingHook")
+
+    def __call__(self, ctx: TrainingContext, stage: TrainingStage, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
+        if stage is not _DO_OPTIMIZER_STEP or will_skip:
+            return True, None
+        params = self._params(ctx)
+        if self.max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm, norm_type=self.norm_type, foreach=self.foreach)
+        else:
+            norm = total_grad_norm(params, self.norm_type)
+            torch.nn.utils.clip_grad_value_(params, self.max_value, foreach=self.foreach)  # type: ignore[arg-type]
+        ctx.metrics[self._metric] = norm
+        if self.model_keys is None:
+            ctx.stash[GRAD_NORM] = (ctx.batch_count, norm)
+        return True, None

@@ -1,0 +1,268 @@
+"""Fine-tuning helpers: choose the trainable parameters and swap submodules before training.
+
+Both act at SETUP, after the models are on their device and before the strategy
+builds optimizers from the parameters that require gradients. They run early
+among SETUP implementations (module patches at priority 1, then trainable
+parameters at 2), so a DDP wrapper registered at a later priority sees the
+final module tree and ``requires_grad`` flags.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+import torch
+
+from nvtrain.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from nvtrain.context import TrainingContext
+
+__all__ = ["ModulePatchHook", "TrainableParameterHook"]
+
+ModuleFactory = Callable[[torch.nn.Module], torch.nn.Module]
+
+
+def _as_patterns(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def _patterns(instance: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...] | None) -> None:
+    if value is None:
+        return
+    bad = [p for p in value if not isinstance(p, str) or not p]
+    if bad:
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must hold non-empty glob strings (got {bad!r})")
+
+
+def _model_keys(instance: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...] | None) -> None:
+    if value is not None and (not value or not all(isinstance(k, str) and k for k in value)):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be None or a non-empty tuple of model names "
+            f"(got {value!r})"
+        )
+
+
+def _int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{type(instance).__name__}.{attribute.name} must be an int (got {value!r})")
+
+
+def _selected_models(
+    owner: str, models: Mapping[str, torch.nn.Module], keys: tuple[str, ...] | None
+) -> dict[str, torch.nn.Module]:
+    if keys is None:
+        return dict(models)
+    missing = [key for key in keys if key not in models]
+    if missing:
+        raise KeyError(f"{owner}.model_keys names {missing}, but the models are {sorted(models)}")
+    return {key: models[key] for key in keys}
+
+
+def _refuse_built_optimizers(owner: str, optimizers: Mapping[str, Any] | None) -> None:
+    if optimizers:
+        raise RuntimeError(
+            f"{owner} must run before the optimizers are built, but optimizers exist for {sorted(optimizers)}: "
+            "they already hold the old parameters. Pass the hook in TrainingStrategy(hooks=[...]) so it "
+            "acts at SETUP, or call apply() before building optimizers."
+        )
+
+
+def _examples(names: Iterable[str], limit: int = 5) -> str:
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (", ..." if len(names) > limit else "") if names else "none"
+
+
+@attrs.define(eq=False)
+class TrainableParameterHook:
+    """Set ``requires_grad`` by parameter-name globs, so optimizers get only trainable parameters.
+
+    ``trainable`` is an allow-list: when given, exactly the parameters matching one
+    of its patterns stay trainable and every other parameter is frozen. ``frozen``
+    then freezes the parameters matching its patterns (it wins over ``trainable``).
+    With only ``frozen``, the other parameters keep their flags. Patterns are
+    ``fnmatch`` globs on names as ``model.named_parameters()`` gives them
+    (``*`` also crosses dots: ``"backbone.*"`` covers every backbone parameter);
+    ``model_keys`` limits which models are touched. A pattern that matches no
+    parameter is an error naming it, since it is almost always a typo.
+    """
+
+    plugin_name: ClassVar[str] = "trainable_params"
+
+    trainable: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_patterns)
+    frozen: tuple[str, ...] = attrs.field(default=(), converter=lambda v: _as_patterns(v) or (), validator=_patterns)
+    model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_model_keys)
+    priority: int = attrs.field(default=2, validator=_int)
+
+    #: After applying: the trainable parameter names of each touched model.
+    trainable_names: dict[str, list[str]] = attrs.field(init=False, factory=dict)
+    _applied: bool = attrs.field(init=False, default=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.trainable and not self.frozen:
+            raise ValueError(
+                "TrainableParameterHook needs at least one pattern in 'trainable' or 'frozen' "
+                f"(got trainable={self.trainable!r}, frozen={self.frozen!r})"
+            )
+
+    @hookimpl
+    def setup(self, ctx: TrainingContext) -> None:
+        self.apply(ctx.models, ctx.optimizers)
+
+    @hookimpl
+    def before_training(self, ctx: TrainingContext) -> None:
+        if not self._applied:
+            raise RuntimeError(
+                "TrainableParameterHook was registered after SETUP, so no requires_grad flag was set and the "
+                "optimizers hold every parameter; pass it in TrainingStrategy(hooks=[...])"
+            )
+
+    def apply(
+        self, models: Mapping[str, torch.nn.Module], optimizers: Mapping[str, Any] | None = None
+    ) -> dict[str, list[str]]:
+        """Set the flags on ``models`` now; returns the trainable parameter names per model."""
+        _refuse_built_optimizers("TrainableParameterHook", optimizers)
+        selected = _selected_models("TrainableParameterHook", models, self.model_keys)
+        named = {key: list(model.named_parameters()) for key, model in selected.items()}
+        all_names = [name for params in named.values() for name, _ in params]
+        for field, patterns in (("trainable", self.trainable or ()), ("frozen", self.frozen)):
+            for pattern in patterns:
+                if not any(fnmatch.fnmatchcase(name, pattern) for name in all_names):
+                    raise ValueError(
+                        f"TrainableParameterHook.{field} pattern {pattern!r} matches no parameter of "
+                        f"{sorted(selected)} (parameter names look like: {_examples(all_names)})"
+                    )
+        self.trainable_names = {}
+        for key, params in named.items():
+            for name, param in params:
+                if self.trainable is not None:
+                    param.requires_grad_(any(fnmatch.fnmatchcase(name, p) for p in self.trainable))
+                if any(fnmatch.fnmatchcase(name, p) for p in self.frozen):
+                    param.requires_grad_(False)
+            self.trainable_names[key] = [name for name, param in params if param.requires_grad]
+        self._applied = True
+        return self.trainable_names
+
+
+def _check_patches(instance: Any, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
+    if not value:
+        raise ValueError("ModulePatchHook.patches must map at least one glob to a module factory (got {})")
+    for pattern, factory in value.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"ModulePatchHook.patches keys must be non-empty glob strings (got {pattern!r})")
+        if not callable(factory):
+            raise TypeError(
+                f"ModulePatchHook.patches[{pattern!r}] must be callable as factory(old_module) -> new module "
+                f"(got {factory!r})"
+            )
+
+
+@attrs.define(eq=False)
+class ModulePatchHook:
+    """Replace submodules whose qualified names match a glob, before optimizers exist.
+
+    ``patches`` maps a glob on names from ``model.named_modules()`` (``"head"``,
+    ``"blocks.*.mlp"``) to ``factory(old_module) -> new_module``. The new module is
+    moved to the old one's device. When a match lies inside a module that is
+    replaced as well, only the outer one is replaced. A pattern that replaces
+    nothing is an error naming it; so is running after optimizers were built
+    (they would keep training the old parameters).
+    """
+
+    plugin_name: ClassVar[str] = "module_patch"
+
+    patches: dict[str, ModuleFactory] = attrs.field(converter=dict, validator=_check_patches)
+    model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_model_keys)
+    priority: int = attrs.field(default=1, validator=_int)
+
+    #: After applying: ``(model key, qualified name)`` of every replaced submodule.
+    replaced: list[tuple[str, str]] = attrs.field(init=False, factory=list)
+    _applied: bool = attrs.field(init=False, default=False, repr=False)
+
+    @hookimpl
+    def setup(self, ctx: TrainingContext) -> None:
+        self.apply(ctx.models, ctx.optimizers)
+
+    @hookimpl
+    def before_training(self, ctx: TrainingContext) -> None:
+        if not self._applied:
+            raise RuntimeError(
+                "ModulePatchHook was registered after SETUP, so no module was replaced and the optimizers hold "
+                "the old parameters; pass it in TrainingStrategy(hooks=[...])"
+            )
+
+    def apply(
+        self, models: Mapping[str, torch.nn.Module], optimizers: Mapping[str, Any] | None = None
+    ) -> list[tuple[str, str]]:
+        """Patch ``models`` in place now; returns ``(model key, name)`` of each replaced submodule."""
+        _refuse_built_optimizers("ModulePatchHook", optimizers)
+        selected = _selected_models("ModulePatchHook", models, self.model_keys)
+        plan: list[tuple[str, str, str]] = []  # (model key, module name, pattern)
+        used: set[str] = set()
+        matched: set[str] = set()
+        for key, model in selected.items():
+            names = [name for name, _ in model.named_modules() if name]
+            replaced_prefixes: list[str] = []
+            for name in names:
+                matching = [p for p in self.patches if fnmatch.fnmatchcase(name, p)]
+                if not matching:
+                    continue
+                if len(matching) > 1:
+                    raise ValueError(
+                        f"ModulePatchHook.patches: module {name!r} of model {key!r} matches several patterns "
+                        f"{matching}; make them disjoint"
+                    )
+                matched.add(matching[0])
+                if any(name.startswith(prefix + ".") for prefix in replaced_prefixes):
+                    continue
+                replaced_prefixes.append(name)
+                plan.append((key, name, matching[0]))
+                used.add(matching[0])
+        nested = [p for p in self.patches if p in matched and p not in used]
+        if nested:
+            raise ValueError(
+                f"ModulePatchHook.patches pattern(s) {nested} match only modules inside modules that are "
+                "replaced whole; drop them or narrow the outer pattern"
+            )
+        unused = [p for p in self.patches if p not in matched]
+        if unused:
+            examples = _examples(n for model in selected.values() for n, _ in model.named_modules() if n)
+            raise ValueError(
+                f"ModulePatchHook.patches pattern(s) {unused} match no submodule of {sorted(selected)} "
+                f"(module names look like: {examples})"
+            )
+        self.replaced = []
+        for key, name, pattern in plan:
+            model = selected[key]
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            old = parent.get_submodule(child)
+            new = self.patches[pattern](old)
+            if not isinstance(new, torch.nn.Module):
+                raise TypeError(
+                    f"ModulePatchHook.patches[{pattern!r}] returned {type(new).__name__} for module {name!r} of "
+                    f"model {key!r}; a factory must return a torch.nn.Module"
+                )
+            device = _device_of(old)
+            if device is not None:
+                new = new.to(device)
+            setattr(parent, child, new)
+            self.replaced.append((key, name))
+        self._applied = True
+        return self.replaced
+
+
+def _device_of(module: torch.nn.Module) -> torch.device | None:
+    for param in module.parameters():
+        return param.device
+    for buffer in module.buffers():
+        return buffer.device
+    return None

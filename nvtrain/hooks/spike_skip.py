@@ -1,0 +1,262 @@
+"""Skip optimizer steps whose loss or gradient norm is non-finite or an outlier."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from nvtrain.hook import TrainingUpdateHook
+from nvtrain.hooks.clipping import GRAD_NORM, OptimizerParameters, total_grad_norm
+from nvtrain.stages import TrainingStage
+
+if TYPE_CHECKING:
+    from nvtrain.context import TrainingContext
+
+__all__ = ["SpikeSkipHook"]
+
+_DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
+_SIGNALS = ("loss", "grad_norm")
+
+
+def _positive_number(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a finite number > 0 (got {value!r})")
+
+
+def _norm_type(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a number > 0, e.g. 2.0 or float('inf') (got {value!r})"
+        )
+
+
+def _int_at_least(minimum: int | None) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+            expected = "an int" if minimum is None else f"an int >= {minimum}"
+            raise ValueError(f"{type(instance).__name__}.{attribute.name} must be {expected} (got {value!r})")
+
+    return check
+
+
+def _as_tuple(value: Any) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _monitor(instance: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    if not value or any(v not in _SIGNALS for v in value) or len(set(value)) != len(value):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must name one or both of {_SIGNALS}, each once (got {value!r})"
+        )
+
+
+class RollingStats:
+    """Mean and standard deviation of the last ``size`` values, in O(1) per value.
+
+    Running sums are kept relative to a shift (the mean at the last exact
+    recomputation), and recomputed exactly with ``math.fsum`` every ``size``
+    values, so rounding cannot drift over a long run.
+    """
+
+    __slots__ = ("_shift", "_since_exact", "_sum", "_sumsq", "values")
+
+    def __init__(self, size: int, values: Iterable[float] = ()) -> None:
+        self.values: deque[float] = deque((float(v) for v in values), maxlen=size)
+        self._recompute()
+
+    def append(self, value: float) -> None:
+        values = self.values
+        if not values:
+            self._shift = value  # sums are relative to a typical value, not to 0
+        elif len(values) == values.maxlen:
+            old = values[0] - self._shift
+            self._sum -= old
+            self._sumsq -= old * old
+        values.append(value)
+        new = value - self._shift
+        self._sum += new
+        self._sumsq += new * new
+        self._since_exact += 1
+        if self._since_exact >= values.maxlen:  # type: ignore[operator]
+            self._recompute()
+
+    def limit(self, sigmas: float) -> float:
+        """``mean + sigmas * std`` (population std); ``inf`` with fewer than two values."""
+        n = len(self.values)
+        if n < 2:
+            return math.inf
+        mean = self._sum / n
+        variance = max(self._sumsq / n - mean * mean, 0.0)
+        return self._shift + mean + sigmas * math.sqrt(variance)
+
+    def _recompute(self) -> None:
+        values = self.values
+        self._shift = math.fsum(values) / len(values) if values else 0.0
+        self._sum = math.fsum(v - self._shift for v in values)
+        self._sumsq = math.fsum((v - self._shift) ** 2 for v in values)
+        self._since_exact = 0
+
+
+@attrs.define(eq=False)
+class SpikeSkipHook(TrainingUpdateHook):
+    """Veto the optimizer step when the loss or the gradient norm spikes.
+
+    At the end of each window (``ctx.sync_gradients``) whose step no earlier hook
+    vetoed, the step is skipped when a monitored value is non-finite, or, once
+    ``warmup_steps`` steps were accepted, exceeds ``mean + threshold_sigmas * std``
+    of the last ``window`` accepted values. Skipped values never enter the
+    statistics. The loss is the mean of the window's micro-batch losses (before
+    any loss scaling); the gradient norm is the one a GradientClippingHook
+    (priority 30) computed for this micro-batch before clipping, or this hook's
+    own ``norm_type`` norm over all optimizers' parameters.
+
+    Rank-consistent: under torch.distributed one ``all_reduce`` of a small
+    ``world_size x signals`` table (each rank fills its own row) gives every rank
+    every rank's values; each rank then takes the same decision (skip if any
+    rank's value is non-finite or over the limit) and keeps the same statistics
+    (of the mean over ranks). Every hook before this one must veto identically
+    on all ranks.
+
+    Cost: one host-device synchronisation per optimizer step (reading that table
+    back), none on accumulating micro-batches. The other built-in update policies
+    never synchronise.
+
+    ``ctx.metrics["skipped_steps"]`` holds the number of steps this hook skipped
+    (a CPU tensor). The statistics and counts are part of ``state_dict()``.
+    """
+
+    plugin_name: ClassVar[str] = "spike_skip"
+    stages: ClassVar[frozenset[TrainingStage]] = frozenset({_DO_OPTIMIZER_STEP})
+    exclusive_key: ClassVar[str | None] = "spike_skip"
+
+    #: Skip when a value exceeds mean + threshold_sigmas * std of the recent accepted values.
+    threshold_sigmas: float = attrs.field(default=6.0, validator=_positive_number)
+    #: How many recent accepted steps the statistics cover.
+    window: int = attrs.field(default=100, validator=_int_at_least(2))
+    #: Accepted steps before the threshold applies (non-finite values are skipped from the start).
+    warmup_steps: int = attrs.field(default=20, validator=_int_at_least(2))
+    #: Which values to watch: "loss", "grad_norm", or both.
+    monitor: tuple[str, ...] = attrs.field(default=_SIGNALS, converter=_as_tuple, validator=_monitor)
+    #: Norm used when no clipping hook computed the gradient norm already.
+    norm_type: float = attrs.field(default=2.0, validator=_norm_type)
+    #: Process group of the deciding collective; None is the default group.
+    process_group: Any = None
+    priority: int = attrs.field(default=40, validator=_int_at_least(None))
+
+    _loss_stats: RollingStats = attrs.field(init=False, repr=False)
+    _norm_stats: RollingStats = attrs.field(init=False, repr=False)
+    _accepted: int = attrs.field(init=False, default=0, repr=False)
+    _skipped: int = attrs.field(init=False, default=0, repr=False)
+    _window_loss: torch.Tensor | None = attrs.field(init=False, default=None, repr=False)
+    _window_count: int = attrs.field(init=False, default=0, repr=False)
+    _watch_loss: bool = attrs.field(init=False, repr=False)
+    _watch_norm: bool = attrs.field(init=False, repr=False)
+    _params: OptimizerParameters = attrs.field(init=False, repr=False)
+    #: Whether the latest decision skipped the step.
+    last_skipped: bool = attrs.field(init=False, default=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._loss_stats = RollingStats(self.window)
+        self._norm_stats = RollingStats(self.window)
+        self._watch_loss = "loss" in self.monitor
+        self._watch_norm = "grad_norm" in self.monitor
+        self._params = OptimizerParameters(None, "SpikeSkipHook")
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps this hook has skipped so far."""
+        return self._skipped
+
+    @property
+    def accepted_steps(self) -> int:
+        """Steps this hook let through (their values are in the statistics)."""
+        return self._accepted
+
+    def thresholds(self) -> tuple[float, float]:
+        """Current (loss, grad_norm) limits; ``inf`` while warming up or for an unmonitored value."""
+        if self._accepted < self.warmup_steps:
+            return math.inf, math.inf
+        sigmas = self.threshold_sigmas
+        return self._loss_stats.limit(sigmas), self._norm_stats.limit(sigmas)
+
+    def __call__(self, ctx: TrainingContext, stage: TrainingStage, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
+        if stage is not _DO_OPTIMIZER_STEP:
+            return True, None
+        if self._watch_loss:
+            loss = ctx.loss.detach().float()  # type: ignore[union-attr]
+            self._window_loss = loss if self._window_loss is None else self._window_loss + loss
+            self._window_count += 1
+        if not ctx.sync_gradients:
+            return True, None  # inside an accumulation window: nothing to decide yet
+        window_loss, count = self._window_loss, self._window_count
+        self._window_loss, self._window_count = None, 0
+        if will_skip:
+            return True, None  # an earlier hook vetoed: no step to judge
+        skip = self._decide(ctx, None if window_loss is None else window_loss / count)
+        self.last_skipped = skip
+        if skip:
+            self._skipped += 1
+        if skip or "skipped_steps" not in ctx.metrics:
+            ctx.metrics["skipped_steps"] = torch.tensor(self._skipped)
+        return not skip, None
+
+    def _decide(self, ctx: TrainingContext, loss: torch.Tensor | None) -> bool:
+        """Gather every rank's values (one collective), read them once, decide on the host."""
+        values: list[torch.Tensor] = []
+        stats: list[RollingStats] = []
+        if loss is not None:
+            values.append(loss)
+            stats.append(self._loss_stats)
+        if self._watch_norm:
+            norm = self._grad_norm(ctx).float()
+            values.append(norm if loss is None else norm.to(loss.device))
+            stats.append(self._norm_stats)
+        local = torch.stack(values)
+        group = self.process_group
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            table = local.new_zeros(dist.get_world_size(group), local.numel())
+            table[dist.get_rank(group)] = local
+            dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
+            rows: list[list[float]] = table.tolist()  # the one host-device sync of this step
+        else:
+            rows = [local.tolist()]  # the one host-device sync of this step
+        if self._accepted >= self.warmup_steps:
+            limits = [s.limit(self.threshold_sigmas) for s in stats]
+        else:
+            limits = [math.inf] * len(stats)
+        for row in rows:
+            for value, limit in zip(row, limits, strict=True):
+                if not math.isfinite(value) or value > limit:
+                    return True
+        self._accepted += 1
+        for index, stat in enumerate(stats):
+            stat.append(math.fsum(row[index] for row in rows) / len(rows))
+        return False
+
+    def _grad_norm(self, ctx: TrainingContext) -> torch.Tensor:
+        published = ctx.stash.get(GRAD_NORM, None)
+        if published is not None and published[0] == ctx.batch_count:
+            return published[1]
+        return total_grad_norm(self._params(ctx), self.norm_type)
+
+    # -- resume ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss_history": list(self._loss_stats.values),
+            "norm_history": list(self._norm_stats.values),
+            "accepted_steps": self._accepted,
+            "skipped_steps": self._skipped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._loss_stats = RollingStats(self.window, state["loss_history"])
+        self._norm_stats = RollingStats(self.window, state["norm_history"])
+        self._accepted = int(state["accepted_steps"])
+        self._skipped = int(state["skipped_steps"])

@@ -1,0 +1,564 @@
+"""Progress bar, CSV and TensorBoard logging: observer plugins that read tensors only on logging steps.
+
+All three share one rule: on the per-batch path they only add the detached loss
+tensor to a running sum (no host sync). Every ``log_every_n_steps`` completed
+optimizer steps they read the window's mean loss and the scalar tensors in
+``ctx.metrics`` to the host in one transfer, and only then take the wall clock,
+so on CUDA the step time covers finished work (the read is the sync). Step time
+and samples/s are measured over the steps since the previous logging step;
+validation time is left out. Each hook is active on rank 0 only.
+
+They are ordinary plugins, usable from Python::
+
+    strategy = nvtrain.TrainingStrategy(..., hooks=[ProgressBarHook(), CSVLoggerHook("runs/x/metrics.csv")])
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TextIO
+
+import attrs
+import torch
+
+from nvtrain.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from nvtrain.context import TrainingContext
+
+__all__ = ["CSVLoggerHook", "ProgressBarHook", "StepLogReader", "TensorBoardHook", "estimate_total_steps"]
+
+logger = logging.getLogger(__name__)
+
+#: Columns every ``metrics.csv`` starts with; other columns (validation metrics,
+#: ``ctx.metrics`` entries) follow in the order they first appear.
+CSV_COLUMNS: tuple[str, ...] = (
+    "step",
+    "epoch",
+    "train_loss",
+    "lr",
+    "val_loss",
+    "val_accuracy",
+    "step_time",
+    "samples_per_s",
+)
+
+#: Observers run after the default-priority hooks at the same stage.
+LOGGING_PRIORITY = 90
+
+
+def _check_interval(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be an int >= 1 (got {value!r})")
+
+
+def _batch_size(batch: Any) -> int:
+    """Samples in a micro-batch, from shapes only (no device access)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            return _batch_size(value)
+        return 0
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_size(batch[0])
+    return 1
+
+
+def estimate_total_steps(ctx: TrainingContext) -> int | None:
+    """Optimizer steps the current run will reach (absolute), or None when unknown.
+
+    Reads the step scheduler when the run has one, else the strategy's
+    ``max_steps`` / ``num_epochs`` and ``len(ctx.train_loader)``.
+    """
+    scheduler = ctx.scheduler
+    if scheduler is not None:
+        max_steps = getattr(scheduler, "max_steps", None)
+        num_epochs = getattr(scheduler, "num_epochs", None)
+        epoch_len = getattr(scheduler, "epoch_len", None)
+    else:
+        strategy = ctx.strategy
+        max_steps = getattr(strategy, "max_steps", None)
+        num_epochs = getattr(strategy, "num_epochs", None)
+        if num_epochs is None and max_steps is None:
+            num_epochs = 1
+        try:
+            epoch_len = len(ctx.train_loader)
+        except TypeError:
+            epoch_len = None
+    by_epochs = num_epochs * epoch_len if num_epochs is not None and epoch_len is not None else None
+    candidates = [n for n in (max_steps, by_epochs) if n is not None]
+    return min(candidates) if candidates else None
+
+
+@attrs.define(slots=True)
+class StepLogReader:
+    """The per-step bookkeeping every logger needs, with no host sync between logging steps.
+
+    :meth:`observe_batch` runs once per micro-batch; it returns a record (a dict of
+    host floats) on logging steps and None otherwise. :meth:`read_validation`
+    turns ``ctx.validation`` into ``val_*`` floats.
+    """
+
+    every: int
+    _loss_sum: torch.Tensor | None = None
+    _loss_batches: int = 0
+    _samples: int = 0
+    _steps: int = 0
+    _clock: float | None = None
+    _last_logged: int = -1
+
+    def start(self) -> None:
+        """Begin a run: timing starts now."""
+        self._clock = time.perf_counter()
+        self._samples = self._steps = 0
+
+    def observe_batch(self, ctx: TrainingContext) -> dict[str, float] | None:
+        loss = ctx.loss
+        if loss is not None:
+            value = loss.detach()
+            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+            self._loss_batches += 1
+        self._samples += _batch_size(ctx.batch)
+        if ctx.step_skipped:
+            return None
+        self._steps += 1
+        step = ctx.step_count
+        if step % self.every or step == self._last_logged:
+            return None
+        self._last_logged = step
+        return self._read(ctx)
+
+    def _read(self, ctx: TrainingContext) -> dict[str, float]:
+        names: list[str] = []
+        tensors: list[torch.Tensor] = []
+        device = self._loss_sum.device if self._loss_sum is not None else torch.device("cpu")
+        if self._loss_sum is not None:
+            names.append("train_loss")
+            tensors.append(self._loss_sum.float() / self._loss_batches)
+        for name, value in ctx.metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                names.append(name)
+                tensors.append(value.detach().reshape(()).to(device=device, dtype=torch.float32))
+        values = torch.stack(tensors).tolist() if tensors else []  # the logging step's one host sync
+        now = time.perf_counter()
+        record: dict[str, float] = {"step": ctx.step_count, "epoch": ctx.epoch}
+        record.update(zip(names, values, strict=True))
+        record.update(_learning_rates(ctx))
+        if self._clock is not None and self._steps:
+            elapsed = now - self._clock
+            record["step_time"] = elapsed / self._steps
+            if elapsed > 0:
+                record["samples_per_s"] = self._samples * ctx.world_size / elapsed
+        self._loss_sum, self._loss_batches = None, 0
+        self._clock, self._samples, self._steps = now, 0, 0
+        return record
+
+    def read_validation(self, ctx: TrainingContext) -> dict[str, float]:
+        """``ctx.validation`` as ``val_<name>`` floats (one host transfer); restarts the step clock."""
+        summary = ctx.validation or {}
+        names = [n for n, v in summary.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
+        tensors = [summary[n].detach().reshape(()).float().cpu() for n in names]
+        record: dict[str, float] = {"step": ctx.step_count, "epoch": ctx.epoch}
+        values = torch.stack(tensors).tolist() if tensors else []  # the one host transfer of a validation
+        record.update(zip((f"val_{n}" for n in names), values, strict=True))
+        # Validation time is not training time: the next window starts now.
+        self._clock, self._samples, self._steps = time.perf_counter(), 0, 0
+        return record
+
+
+def _learning_rates(ctx: TrainingContext) -> dict[str, float]:
+    rates: dict[str, float] = {}
+    for index, (name, optimizer) in enumerate(ctx.optimizers.items()):
+        lr = optimizer.param_groups[0].get("lr")
+        if lr is None:
+            continue
+        rates["lr" if index == 0 else f"lr/{name}"] = float(lr)
+    return rates
+
+
+def _format(value: float) -> str:
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) < 1e15):
+        return str(int(value))
+    return f"{value:.6g}"
+
+
+# -- progress ------------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class ProgressBarHook:
+    """A tqdm bar (epoch, step, smoothed loss, samples/s) on a terminal; log lines otherwise.
+
+    The bar advances once per optimizer step (host counters only) and redraws at
+    most every ``refresh_interval`` seconds; loss and throughput are refreshed on
+    logging steps. When ``stream`` is not a terminal (a batch job's log file) it
+    writes one line per logging step and one per validation instead. The shown
+    loss is an exponential moving average (``smoothing``) of the logged window means.
+    """
+
+    plugin_name: ClassVar[str] = "progress_bar"
+
+    log_every_n_steps: int = attrs.field(default=10, validator=_check_interval)
+    refresh_interval: float = attrs.field(default=0.5)
+    smoothing: float = attrs.field(default=0.3)
+    #: Where to draw; default ``sys.stderr`` at the time the run starts.
+    stream: TextIO | None = None
+    #: Force the bar (True) or log lines (False); None: a bar only on a terminal.
+    use_bar: bool | None = None
+    priority: int = LOGGING_PRIORITY
+
+    _reader: StepLogReader = attrs.field(init=False)
+    _bar: Any = attrs.field(init=False, default=None)
+    _out: TextIO | None = attrs.field(init=False, default=None)
+    _active: bool = attrs.field(init=False, default=False)
+    _started: bool = attrs.field(init=False, default=False)
+    _smoothed: float | None = attrs.field(init=False, default=None)
+    _total: int | None = attrs.field(init=False, default=None)
+    _postfix: dict[str, str] = attrs.field(init=False, factory=dict)
+
+    @refresh_interval.validator
+    def _check_refresh(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"ProgressBarHook.refresh_interval must be a number of seconds > 0 (got {value!r})")
+
+    @smoothing.validator
+    def _check_smoothing(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+            raise ValueError(f"ProgressBarHook.smoothing must be in (0, 1] (got {value!r})")
+
+    def __attrs_post_init__(self) -> None:
+        self._reader = StepLogReader(self.log_every_n_steps)
+
+    @hookimpl
+    def before_training(self, ctx: TrainingContext) -> None:
+        self._active = ctx.rank == 0
+        self._started = False
+        self._reader.start()
+        self._smoothed = None
+
+    @hookimpl
+    def before_epoch(self, ctx: TrainingContext) -> None:
+        if not self._active:
+            return
+        if not self._started:  # the first epoch of the run: a resume has been applied by now
+            self._started = True
+            self._open_bar(ctx)
+        if self._bar is not None:
+            self._bar.set_description(f"epoch {ctx.epoch}", refresh=False)
+
+    def _open_bar(self, ctx: TrainingContext) -> None:
+        self._out = self.stream if self.stream is not None else sys.stderr
+        self._total = estimate_total_steps(ctx)
+        use_bar = self.use_bar if self.use_bar is not None else _is_terminal(self._out)
+        if not use_bar:
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError as err:
+            raise ImportError("ProgressBarHook needs tqdm: pip install 'nvtrain[cli]'") from err
+        self._bar = tqdm(
+            total=self._total,
+            initial=ctx.step_count,
+            unit="step",
+            file=self._out,
+            mininterval=self.refresh_interval,
+            dynamic_ncols=True,
+            leave=True,
+        )
+
+    @hookimpl
+    def after_batch(self, ctx: TrainingContext) -> None:
+        if not self._active:
+            return
+        record = self._reader.observe_batch(ctx)
+        if self._out is None:
+            return
+        if self._bar is not None and not ctx.step_skipped:
+            self._bar.update(1)
+        if record is None:
+            return
+        loss = record.get("train_loss")
+        if loss is not None and math.isfinite(loss):
+            self._smoothed = loss if self._smoothed is None else (
+                self.smoothing * loss + (1.0 - self.smoothing) * self._smoothed
+            )
+        if self._bar is not None:
+            if self._smoothed is not None:
+                self._postfix["loss"] = f"{self._smoothed:.4g}"
+            if "samples_per_s" in record:
+                self._postfix["samples/s"] = f"{record['samples_per_s']:.0f}"
+            self._bar.set_postfix(self._postfix, refresh=False)
+        else:
+            self._line(ctx, record, smoothed=self._smoothed)
+
+    @hookimpl
+    def after_validation(self, ctx: TrainingContext) -> None:
+        if not self._active:
+            return
+        record = self._reader.read_validation(ctx)
+        if self._out is None:
+            return
+        if self._bar is not None:
+            for key, value in record.items():
+                if key.startswith("val_"):
+                    self._postfix[key] = f"{value:.4g}"
+            self._bar.set_postfix(self._postfix, refresh=True)
+        else:
+            self._line(ctx, record, smoothed=None)
+
+    @hookimpl
+    def after_training(self, ctx: TrainingContext) -> None:
+        self.close()
+
+    def _line(self, ctx: TrainingContext, record: dict[str, float], smoothed: float | None) -> None:
+        total = f"/{self._total}" if self._total is not None else ""
+        parts = [f"epoch {ctx.epoch}", f"step {ctx.step_count}{total}"]
+        if smoothed is not None:
+            parts.append(f"loss {smoothed:.4g}")
+        for key, value in record.items():
+            if key in ("step", "epoch", "train_loss"):
+                continue
+            parts.append(f"{key} {value:.4g}")
+        assert self._out is not None
+        print("  ".join(parts), file=self._out, flush=True)
+
+    def close(self) -> None:
+        """Finish the bar (idempotent)."""
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (ValueError, OSError):  # a closed or detached stream
+        return False
+
+
+# -- CSV -------------------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class CSVLoggerHook:
+    """Appends one row per logging step and one per validation to ``path`` (flushed per row).
+
+    Columns start with :data:`CSV_COLUMNS`; a metric seen for the first time adds a
+    column, and the file is then rewritten atomically with the wider header. On a
+    resumed run, rows after the step the run resumed from are dropped first, so
+    the file describes one continuous run.
+    """
+
+    plugin_name: ClassVar[str] = "csv_logger"
+
+    path: Path = attrs.field(converter=Path)
+    log_every_n_steps: int = attrs.field(default=10, validator=_check_interval)
+    priority: int = LOGGING_PRIORITY
+
+    _reader: StepLogReader = attrs.field(init=False)
+    _columns: list[str] = attrs.field(init=False, factory=list)
+    _file: TextIO | None = attrs.field(init=False, default=None)
+    _writer: Any = attrs.field(init=False, default=None)
+    _active: bool = attrs.field(init=False, default=False)
+    _start_step: int | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        self._reader = StepLogReader(self.log_every_n_steps)
+
+    @hookimpl
+    def before_training(self, ctx: TrainingContext) -> None:
+        self._active = ctx.rank == 0
+        self._start_step = None
+        self._reader.start()
+
+    @hookimpl
+    def before_epoch(self, ctx: TrainingContext) -> None:
+        if self._active and self._start_step is None:  # a resume has been applied by now
+            self._start_step = ctx.step_count
+
+    @hookimpl
+    def after_batch(self, ctx: TrainingContext) -> None:
+        if self._active:
+            record = self._reader.observe_batch(ctx)
+            if record is not None:
+                self._write(record)
+
+    @hookimpl
+    def after_validation(self, ctx: TrainingContext) -> None:
+        if self._active:
+            self._write(self._reader.read_validation(ctx))
+
+    @hookimpl
+    def after_training(self, ctx: TrainingContext) -> None:
+        self.close()
+
+    def _write(self, record: dict[str, float]) -> None:
+        if self._file is None:
+            self._open()
+        new = [key for key in record if key not in self._columns]
+        if new:
+            self._rewrite([*self._columns, *new])
+        assert self._writer is not None and self._file is not None
+        self._writer.writerow({key: _format(value) for key, value in record.items()})
+        self._file.flush()
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        rows: list[dict[str, str]] = []
+        columns = list(CSV_COLUMNS)
+        if self.path.exists() and self.path.stat().st_size:
+            with self.path.open(newline="", encoding="utf-8") as file:
+                reader = csv.DictReader(file)
+                columns += [c for c in reader.fieldnames or () if c not in columns]
+                rows = list(reader)
+            start = self._start_step or 0
+            kept = [row for row in rows if _row_step(row) <= start]
+            if start == 0:
+                kept = []  # a fresh run replaces the file of an earlier one
+            self._write_file(columns, kept)
+        else:
+            self._write_file(columns, [])
+        self._columns = columns
+        self._file = self.path.open("a", newline="", encoding="utf-8")
+        self._writer = csv.DictWriter(self._file, fieldnames=self._columns, restval="")
+
+    def _rewrite(self, columns: list[str]) -> None:
+        assert self._file is not None
+        self._file.close()
+        with self.path.open(newline="", encoding="utf-8") as file:
+            rows = list(csv.DictReader(file))
+        self._write_file(columns, rows)
+        self._columns = columns
+        self._file = self.path.open("a", newline="", encoding="utf-8")
+        self._writer = csv.DictWriter(self._file, fieldnames=self._columns, restval="")
+
+    def _write_file(self, columns: list[str], rows: list[dict[str, str]]) -> None:
+        """Write header and rows to a temporary file, then publish it under ``path`` atomically."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w", newline="", encoding="utf-8") as file:
+                writer = csv.DictWriter(file, fieldnames=columns, restval="")
+                writer.writeheader()
+                writer.writerows(rows)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        file, self._file, self._writer = self._file, None, None
+        if file is not None:
+            file.close()
+
+
+def _row_step(row: Mapping[str, str]) -> float:
+    try:
+        return float(row.get("step") or "nan")
+    except ValueError:
+        return math.nan
+
+
+# -- TensorBoard -----------------------------------------------------------------------------------
+
+
+def tensorboard_available() -> bool:
+    """Whether ``torch.utils.tensorboard`` can write event files here (the ``tensorboard`` extra)."""
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+@attrs.define(eq=False)
+class TensorBoardHook:
+    """Writes the same scalars as the CSV logger as TensorBoard events under ``log_dir``.
+
+    Tags: ``train/loss``, ``train/lr``, ``perf/step_time``, ``perf/samples_per_s``,
+    ``val/<metric>`` and ``train/<name>`` for other ``ctx.metrics`` entries. A
+    resumed run purges events after the step it resumed from. Needs the
+    ``tensorboard`` package (``pip install 'nvtrain[tensorboard]'``).
+    """
+
+    plugin_name: ClassVar[str] = "tensorboard"
+
+    log_dir: Path = attrs.field(converter=Path)
+    log_every_n_steps: int = attrs.field(default=10, validator=_check_interval)
+    priority: int = LOGGING_PRIORITY
+
+    _reader: StepLogReader = attrs.field(init=False)
+    _writer: Any = attrs.field(init=False, default=None)
+    _active: bool = attrs.field(init=False, default=False)
+    _start_step: int | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        if not tensorboard_available():
+            raise ImportError("TensorBoardHook needs the tensorboard package: pip install 'nvtrain[tensorboard]'")
+        self._reader = StepLogReader(self.log_every_n_steps)
+
+    @hookimpl
+    def before_training(self, ctx: TrainingContext) -> None:
+        self._active = ctx.rank == 0
+        self._start_step = None
+        self._reader.start()
+
+    @hookimpl
+    def before_epoch(self, ctx: TrainingContext) -> None:
+        if self._active and self._start_step is None:
+            self._start_step = ctx.step_count
+
+    @hookimpl
+    def after_batch(self, ctx: TrainingContext) -> None:
+        if self._active:
+            record = self._reader.observe_batch(ctx)
+            if record is not None:
+                self._write(record)
+
+    @hookimpl
+    def after_validation(self, ctx: TrainingContext) -> None:
+        if self._active:
+            self._write(self._reader.read_validation(ctx))
+
+    @hookimpl
+    def after_training(self, ctx: TrainingContext) -> None:
+        self.close()
+
+    def _write(self, record: dict[str, float]) -> None:
+        writer = self._writer
+        if writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = self._start_step + 1 if self._start_step else None  # keep the resumed step's own events
+            writer = self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge)
+        step = int(record["step"])
+        for key, value in record.items():
+            if key not in ("step", "epoch"):
+                writer.add_scalar(_tag(key), value, step)
+        writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file (idempotent)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+
+def _tag(key: str) -> str:
+    if key == "train_loss":
+        return "train/loss"
+    if key.startswith("val_"):
+        return "val/" + key[4:]
+    if key in ("step_time", "samples_per_s"):
+        return "perf/" + key
+    if key == "lr" or key.startswith("lr/"):
+        return "train/" + key
+    return "train/" + key

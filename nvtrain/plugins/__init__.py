@@ -1,0 +1,57 @@
+"""Discover, list and load nvtrain plugins: distributions with an entry point in the group ``nvtrain``.
+
+A plugin is an installed distribution declaring::
+
+    [project.entry-points.nvtrain]
+    ema = "nvtrain_ema"
+
+whose module lists its hook classes in ``__nvtrain_hooks__`` (the first is the
+default). Nothing is activated by being installed: ``available()`` lists plugins,
+``load("ema", decay=0.999)`` builds a configured hook that you pass to a strategy.
+
+Environment: ``NVTRAIN_PLUGINS=amp,ema`` makes only those plugins visible;
+``NVTRAIN_DISABLE_PLUGIN_AUTOLOAD=1`` lists plugins from metadata without importing
+them (``load()`` still works). See ``docs/plugins.md``.
+"""
+
+from __future__ import annotations
+
+from nvtrain.plugins._api import (
+    PluginInfo,
+    PluginStatus,
+    available,
+    hook_class,
+    load,
+    load_all,
+    refresh,
+)
+from nvtrain.plugins._build import build_hook
+from nvtrain.plugins._describe import HookInfo
+from nvtrain.plugins._environment import ALLOW_LIST_ENV, DISABLE_AUTOLOAD_ENV
+from nvtrain.plugins._errors import (
+    PluginError,
+    PluginLoadError,
+    PluginNotFoundError,
+    PluginSettingsError,
+)
+from nvtrain.plugins._registry import ENTRY_POINT_GROUP, HOOKS_ATTRIBUTE
+
+__all__ = [
+    "ALLOW_LIST_ENV",
+    "DISABLE_AUTOLOAD_ENV",
+    "ENTRY_POINT_GROUP",
+    "HOOKS_ATTRIBUTE",
+    "HookInfo",
+    "PluginError",
+    "PluginInfo",
+    "PluginLoadError",
+    "PluginNotFoundError",
+    "PluginSettingsError",
+    "PluginStatus",
+    "available",
+    "build_hook",
+    "hook_class",
+    "load",
+    "load_all",
+    "refresh",
+]

@@ -1,0 +1,37 @@
+"""The errors discovery and loading raise; each names the plugin and its distribution."""
+
+from __future__ import annotations
+
+__all__ = ["PluginError", "PluginLoadError", "PluginNotFoundError", "PluginSettingsError"]
+
+
+class PluginError(Exception):
+    """Base of every nvtrain plugin error."""
+
+
+class PluginLoadError(PluginError, ImportError):
+    """An installed plugin cannot be used: its import failed, its entry point points nowhere,
+    it declares no hook classes, or two distributions claim its name.
+
+    An ImportError, so code that already guards optional imports handles it. The original
+    exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, plugin: str, distribution: str | None, error: str) -> None:
+        super().__init__(message, name=plugin)
+        self.plugin = plugin
+        self.distribution = distribution
+        #: One line: the original exception's type and message.
+        self.error = error
+
+
+class PluginNotFoundError(PluginError, LookupError):
+    """No visible entry point (or hook class) has the requested name."""
+
+
+class PluginSettingsError(PluginError, TypeError):
+    """A plugin was given a setting its hook class does not accept, or lacks a required one.
+
+    Values of accepted settings are checked by the hook class's own validators, which
+    raise their own ``ValueError`` / ``TypeError``.
+    """

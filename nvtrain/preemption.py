@@ -1,0 +1,192 @@
+"""Preemption signals: caught only while a run is active, agreed across ranks in one collective.
+
+Cluster schedulers announce preemption with a signal (SLURM: ``SIGTERM``, or the
+one named by ``--signal``; Kubernetes: ``SIGTERM`` then ``SIGKILL`` after the
+grace period). :class:`PreemptionWatcher` installs a handler that only records
+the signal, so the training loop can finish the current step, write a
+checkpoint and return. The previous handlers come back when the run ends, also
+after an exception, so a script that keeps running after training sees the
+signal disposition it set up itself.
+
+Reading the answer is one explicit call, :meth:`PreemptionWatcher.poll`. Under
+``torch.distributed`` it is a single ``all_reduce(MAX)`` of a one-element tensor,
+so every rank stops at the same step even when only one of them got the signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import warnings
+from collections.abc import Sequence
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PreemptionWatcher", "SignalLike", "collective_device", "resolve_signals"]
+
+logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+SignalLike = int | str | signal.Signals
+
+#: Signals a process cannot catch; asking for them is a configuration error.
+_UNCATCHABLE = frozenset(getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name))
+
+
+def resolve_signals(
+    spec: SignalLike | Sequence[SignalLike] | None, owner: str = "preemption_signal"
+) -> tuple[signal.Signals, ...]:
+    """Turn ``"SIGTERM"``, ``"TERM"``, ``15``, ``signal.SIGUSR1`` or a list of them into signals.
+
+    ``None`` (or an empty list) disables preemption handling. Unknown names and
+    numbers, and the uncatchable ``SIGKILL`` / ``SIGSTOP``, raise ``ValueError``
+    naming ``owner``.
+    """
+    if spec is None:
+        return ()
+    items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    resolved: list[signal.Signals] = []
+    for item in items:
+        sig = _resolve_one(item, owner)
+        if sig in _UNCATCHABLE:
+            raise ValueError(
+                f"{owner}: {sig.name} cannot be caught by a process; use SIGTERM or SIGUSR1 (got {item!r})"
+            )
+        if sig not in resolved:
+            resolved.append(sig)
+    return tuple(resolved)
+
+
+def _resolve_one(item: object, owner: str) -> signal.Signals:
+    if isinstance(item, signal.Signals):
+        return item
+    if isinstance(item, int) and not isinstance(item, bool):
+        try:
+            return signal.Signals(item)
+        except ValueError:
+            raise ValueError(f"{owner}: {item} is not a signal number on this platform") from None
+    if isinstance(item, str):
+        name = item.strip().upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        try:
+            return signal.Signals[name]
+        except KeyError:
+            raise ValueError(f"{owner}: {item!r} is not a signal name on this platform (e.g. 'SIGTERM')") from None
+    raise ValueError(f"{owner} must be a signal name, number or a list of them (got {type(item).__name__} {item!r})")
+
+
+class PreemptionWatcher:
+    """Records preemption signals between :meth:`install` and :meth:`restore` (or as a context manager).
+
+    The handler only stores the signal number: no I/O, no exception in the middle
+    of a CUDA call. :meth:`poll` turns the local flag into the job's answer; once
+    it answered ``True`` it stays ``True`` (and runs no more collectives).
+    Installing is only possible from the main thread; elsewhere the watcher warns
+    and stays passive (``poll`` still agrees with the other ranks).
+    """
+
+    def __init__(self, signals: Sequence[signal.Signals], process_group: Any = None) -> None:
+        self.signals: tuple[signal.Signals, ...] = tuple(signals)
+        self.process_group = process_group
+        #: Number of the first signal caught on this rank, or None.
+        self.received_signal: int | None = None
+        self._agreed = False
+        self._previous: dict[signal.Signals, Any] = {}
+        self._flag: torch.Tensor | None = None
+
+    # -- handler lifetime ---------------------------------------------------------------
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def install(self) -> None:
+        """Catch ``signals`` from now on, remembering the handlers they replace."""
+        if not self.signals or self._previous:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            names = ", ".join(s.name for s in self.signals)
+            warnings.warn(
+                f"PreemptionWatcher: not catching {names} because the run is not on the main thread "
+                "(Python installs signal handlers only there); preemption will not be detected on this rank",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        try:
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except BaseException:
+            self.restore()
+            raise
+
+    def restore(self) -> None:
+        """Put back the handlers :meth:`install` replaced."""
+        previous, self._previous = self._previous, {}
+        for sig, handler in previous.items():
+            if handler is None:  # installed from C: Python cannot reinstate it
+                logger.warning(
+                    "PreemptionWatcher: the previous %s handler was not set from Python; using SIG_DFL", sig.name
+                )
+                handler = signal.SIG_DFL
+            signal.signal(sig, handler)
+
+    def __enter__(self) -> Self:
+        self.install()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.restore()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received_signal is None:
+            self.received_signal = signum
+
+    # -- the answer -----------------------------------------------------------------------
+
+    @property
+    def preempted(self) -> bool:
+        """The answer of the latest :meth:`poll` (never runs a collective)."""
+        return self._agreed
+
+    def poll(self) -> bool:
+        """Did any rank receive a preemption signal? One ``all_reduce`` when the job has several ranks.
+
+        Every rank must call this at the same points of the run. With no signals
+        configured it is a constant ``False`` and runs nothing.
+        """
+        if self._agreed or not self.signals:
+            return self._agreed
+        local = self.received_signal is not None
+        group = self.process_group
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            flag = self._flag
+            if flag is None:
+                flag = self._flag = torch.zeros(1, dtype=torch.int32, device=collective_device(group))
+            flag.fill_(1 if local else 0)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            agreed = bool(flag.item())  # the one host sync of a step boundary, documented in step-scheduler.md
+        else:
+            agreed = local
+        if agreed:
+            received = self.received_signal
+            source = signal.Signals(received).name if received is not None else "another rank"
+            logger.warning("preemption signal received (%s): stopping after a checkpoint", source)
+        self._agreed = agreed
+        return agreed
+
+
+def collective_device(group: Any) -> torch.device:
+    """NCCL reduces CUDA tensors only; every other backend takes CPU tensors."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

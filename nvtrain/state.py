@@ -1,0 +1,395 @@
+"""The in-memory training state a resume needs, captured from and applied to a strategy.
+
+``capture_state(strategy)`` returns one nested dict: model weights (unwrapped from
+DistributedDataParallel), optimizer and LR-scheduler states, the context counters,
+the step scheduler's state (the data position), the global RNG states and the state
+of every hook that satisfies :class:`~nvtrain.hook.CheckpointableHook`.
+``apply_state(strategy, state)`` puts it back. The on-disk format belongs to the
+``nvtrain-checkpoint`` distribution; the core only finds its reader through the
+``checkpoint`` entry point (or a hook that has ``read_checkpoint``).
+
+Tensors in a captured state are live references (as in ``nn.Module.state_dict()``):
+copy them before the training loop continues if they must stay fixed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import random
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, final
+
+import torch
+
+from nvtrain.distributed import unwrap_model
+from nvtrain.hook import CheckpointableHook, hook_label
+from nvtrain.hookspecs import PROJECT_NAME, hookimpl
+from nvtrain.stages import TrainingStage
+
+if TYPE_CHECKING:
+    from nvtrain.strategy import TrainingStrategy
+
+__all__ = [
+    "COUNTERS",
+    "STATE_FORMAT",
+    "apply_rng_state",
+    "apply_state",
+    "capture_rng_state",
+    "capture_state",
+    "checkpointable_hooks",
+    "find_checkpoint_reader",
+    "load_state",
+    "unwrap_model",
+]
+
+#: Version of the dict layout produced by :func:`capture_state`.
+STATE_FORMAT = 1
+
+#: The context counters a resume restores.
+COUNTERS = ("step_count", "global_step_count", "batch_count", "epoch", "epoch_step_count")
+
+#: Entry point (group ``nvtrain``) of the distribution that reads checkpoints from disk.
+READER_ENTRY_POINT = "checkpoint"
+
+_SECTIONS = ("models", "optimizers", "lr_schedulers", "counters", "scheduler", "hooks", "rng")
+
+
+# -- capture ----------------------------------------------------------------------------------
+
+
+def strategy_hooks(strategy: TrainingStrategy) -> list[object]:
+    """Every hook given to the strategy (update hooks first), each once."""
+    seen: set[int] = set()
+    hooks: list[object] = []
+    for hook in strategy._all_hooks():
+        if id(hook) not in seen:
+            seen.add(id(hook))
+            hooks.append(hook)
+    return hooks
+
+
+def checkpointable_hooks(hooks: Iterable[object]) -> dict[str, CheckpointableHook]:
+    """Checkpointable hooks by a key that survives a restart: ``<plugin_name or class>:<index>``.
+
+    The index counts hooks with the same name in the order given, so two EMA hooks
+    become ``ema:0`` and ``ema:1``.
+    """
+    counts: dict[str, int] = {}
+    keyed: dict[str, CheckpointableHook] = {}
+    for hook in hooks:
+        if isinstance(hook, type) or not isinstance(hook, CheckpointableHook):
+            continue
+        name = getattr(hook, "plugin_name", None)
+        base = name if isinstance(name, str) and name else type(hook).__qualname__
+        index = counts.get(base, 0)
+        counts[base] = index + 1
+        keyed[f"{base}:{index}"] = hook
+    return keyed
+
+
+def _loader_generators(loader: Any) -> dict[str, torch.Generator]:
+    """The ``torch.Generator`` objects a DataLoader's sampling draws from, by attribute path."""
+    found: dict[str, torch.Generator] = {}
+    if loader is None:
+        return found
+    candidates = {
+        "loader.generator": getattr(loader, "generator", None),
+        "loader.sampler.generator": getattr(getattr(loader, "sampler", None), "generator", None),
+        "loader.batch_sampler.sampler.generator": getattr(
+            getattr(getattr(loader, "batch_sampler", None), "sampler", None), "generator", None
+        ),
+    }
+    seen: set[int] = set()
+    for path, generator in candidates.items():
+        if isinstance(generator, torch.Generator) and id(generator) not in seen:
+            seen.add(id(generator))
+            found[path] = generator
+    return found
+
+
+def capture_rng_state(loader: Any = None) -> dict[str, Any]:
+    """Python, NumPy (when installed), torch CPU, every CUDA device and the loader's generators."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    numpy = _numpy()
+    if numpy is not None:
+        np_state = numpy.random.get_state(legacy=False)
+        state["numpy"] = {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(np_state["state"]["key"].astype("int64")),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        }
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    state["generators"] = {path: gen.get_state() for path, gen in _loader_generators(loader).items()}
+    return state
+
+
+def capture_state(strategy: TrainingStrategy) -> dict[str, Any]:
+    """Everything a bitwise resume of ``strategy`` needs, as one nested dict of live references."""
+    ctx = strategy.ctx
+    scheduler = ctx.scheduler
+    scheduler_state = scheduler.state_dict() if callable(getattr(scheduler, "state_dict", None)) else None
+    return {
+        "format": STATE_FORMAT,
+        "models": {name: unwrap_model(model).state_dict() for name, model in ctx.models.items()},
+        "optimizers": {name: optimizer.state_dict() for name, optimizer in ctx.optimizers.items()},
+        "lr_schedulers": {name: _scheduler_state(name, sched) for name, sched in ctx.lr_schedulers.items()},
+        "counters": {name: int(getattr(ctx, name)) for name in COUNTERS},
+        "scheduler": scheduler_state,
+        "hooks": {key: hook.state_dict() for key, hook in checkpointable_hooks(strategy_hooks(strategy)).items()},
+        # Last, so nothing captured above can have drawn from the generators afterwards.
+        "rng": capture_rng_state(ctx.train_loader),
+    }
+
+
+def _scheduler_state(name: str, scheduler: Any) -> Any:
+    if isinstance(scheduler, (list, tuple)):
+        return [s.state_dict() for s in scheduler]
+    return scheduler.state_dict()
+
+
+# -- apply --------------------------------------------------------------------------------------
+
+
+def check_state(state: Any, source: str = "state") -> None:
+    """Refuse something that is not a state produced by :func:`capture_state`."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{source}: expected a training state dict, got {type(state).__name__}")
+    version = state.get("format")
+    if version != STATE_FORMAT:
+        raise ValueError(
+            f"{source}: training state format {version!r} is not supported by this nvtrain "
+            f"(expected {STATE_FORMAT})"
+        )
+    missing = [section for section in _SECTIONS if section not in state]
+    if missing:
+        raise ValueError(f"{source}: training state lacks the section(s) {missing}")
+
+
+def _check_names(kind: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> None:
+    if set(saved) != set(live):
+        raise ValueError(
+            f"the checkpoint's {kind} are {sorted(saved)} but this strategy has {sorted(live)}; "
+            "build the strategy with the same names as the one that saved it"
+        )
+
+
+def apply_rng_state(state: Mapping[str, Any], loader: Any = None) -> None:
+    """Set the generators captured by :func:`capture_rng_state` back."""
+    random.setstate(_as_python_rng(state["python"]))
+    torch.set_rng_state(state["torch"])
+    numpy_state = state.get("numpy")
+    numpy = _numpy()
+    if numpy_state is not None and numpy is not None:
+        numpy.random.set_state(
+            {
+                "bit_generator": numpy_state["bit_generator"],
+                "state": {"key": numpy_state["key"].numpy().astype("uint32"), "pos": numpy_state["pos"]},
+                "has_gauss": numpy_state["has_gauss"],
+                "gauss": numpy_state["gauss"],
+            }
+        )
+    cuda_states = state.get("cuda")
+    if cuda_states and torch.cuda.is_available():
+        if len(cuda_states) != torch.cuda.device_count():
+            warnings.warn(
+                f"the checkpoint holds RNG states for {len(cuda_states)} CUDA device(s) but "
+                f"{torch.cuda.device_count()} are visible; restoring the first "
+                f"{min(len(cuda_states), torch.cuda.device_count())}, so random draws on the others differ",
+                stacklevel=3,
+            )
+        for index, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
+    live = _loader_generators(loader)
+    for path, gen_state in (state.get("generators") or {}).items():
+        generator = live.get(path)
+        if generator is not None:
+            generator.set_state(gen_state)
+
+
+def _as_python_rng(value: Any) -> tuple[Any, ...]:
+    version, internal, gauss = value
+    return (version, tuple(internal), gauss)
+
+
+def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, scheduler: bool = True) -> None:
+    """Restore ``state`` into a set-up ``strategy``; the global RNG states are set last.
+
+    ``scheduler=False`` leaves the step scheduler's data position alone (it is applied
+    at the start of the next run instead). A state written by rank 0 for several ranks
+    may carry ``rng_by_rank``; each rank then takes its own entry.
+    """
+    check_state(state)
+    ctx = strategy.ctx
+    _check_names("models", state["models"], ctx.models)
+    _check_names("optimizers", state["optimizers"], ctx.optimizers)
+    _check_names("LR schedulers", state["lr_schedulers"], ctx.lr_schedulers)
+    for name, model in ctx.models.items():
+        try:
+            unwrap_model(model).load_state_dict(state["models"][name])
+        except RuntimeError as err:
+            raise ValueError(f"the checkpoint's weights for model {name!r} do not fit this model: {err}") from None
+    for name, optimizer in ctx.optimizers.items():
+        try:
+            optimizer.load_state_dict(state["optimizers"][name])
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise ValueError(f"the checkpoint's state for optimizer {name!r} does not fit it: {err}") from None
+    for name, sched in ctx.lr_schedulers.items():
+        saved = state["lr_schedulers"][name]
+        if isinstance(sched, (list, tuple)):
+            for one, one_state in zip(sched, saved, strict=True):
+                one.load_state_dict(one_state)
+        else:
+            sched.load_state_dict(saved)
+    for name in COUNTERS:
+        setattr(ctx, name, int(state["counters"][name]))
+    _apply_hook_states(strategy, state["hooks"])
+    if scheduler:
+        apply_scheduler_state(strategy, state)
+    rng = state["rng"]
+    by_rank = state.get("rng_by_rank")
+    if isinstance(by_rank, (list, tuple)) and len(by_rank) == ctx.world_size:
+        rng = by_rank[ctx.rank]
+    apply_rng_state(rng, ctx.train_loader)
+
+
+def apply_scheduler_state(strategy: TrainingStrategy, state: Mapping[str, Any]) -> None:
+    """Give the step scheduler of the current run its saved data position."""
+    saved = state.get("scheduler")
+    live = strategy.ctx.scheduler
+    if saved is None or live is None:
+        return
+    load = getattr(live, "load_state_dict", None)
+    if not callable(load):
+        raise TypeError(f"the step scheduler {type(live).__qualname__} has no load_state_dict(); cannot resume")
+    load(saved)
+
+
+def _apply_hook_states(strategy: TrainingStrategy, saved: Mapping[str, Any]) -> None:
+    live = checkpointable_hooks(strategy_hooks(strategy))
+    for key, hook in live.items():
+        if key not in saved:
+            warnings.warn(
+                f"hook {hook_label(hook)} has no state in the checkpoint (key {key!r}); it starts fresh",
+                stacklevel=4,
+            )
+            continue
+        try:
+            hook.load_state_dict(saved[key])
+        except Exception as err:
+            err.add_note(f"while restoring the state of hook {hook_label(hook)} (key {key!r}) from a checkpoint")
+            raise
+    unused = sorted(set(saved) - set(live))
+    if unused:
+        warnings.warn(
+            f"the checkpoint holds state for hook(s) {unused} that this strategy does not have; ignored",
+            stacklevel=4,
+        )
+
+
+# -- deferred application ---------------------------------------------------------------------
+
+
+@final
+class PendingRestore:
+    """Applies a state at the start of the next run, before every other BEFORE_TRAINING hook.
+
+    A strategy is restored before ``run()`` builds its optimizers and step scheduler;
+    this plugin holds the state until both exist.
+    """
+
+    plugin_name = "nvtrain.restore"
+    priority = -(2**31)
+
+    def __init__(self, strategy: TrainingStrategy) -> None:
+        self._strategy = strategy
+        self.state: Mapping[str, Any] | None = None
+        self.source: str = "state"
+        self.scheduler_only = False
+
+    @hookimpl(tryfirst=True)
+    def before_training(self, ctx: Any) -> None:
+        state, self.state = self.state, None
+        if state is None:
+            return
+        try:
+            if self.scheduler_only:
+                apply_scheduler_state(self._strategy, state)
+            else:
+                apply_state(self._strategy, state)
+        except Exception as err:
+            err.add_note(f"while restoring {self.source}")
+            raise
+
+
+def load_state(strategy: TrainingStrategy, state: Mapping[str, Any], source: str = "state") -> None:
+    """Restore ``state`` now where possible, the rest at the next run's BEFORE_TRAINING.
+
+    Before the strategy is set up (no optimizers yet) everything waits for the run.
+    Once set up, everything is applied now and only the step scheduler's data
+    position waits for the next run; called during BEFORE_TRAINING, nothing waits.
+    """
+    check_state(state, source)
+    ctx = strategy.ctx
+    pending = _pending(strategy)
+    in_run_start = ctx.stage == TrainingStage.BEFORE_TRAINING and ctx.scheduler is not None
+    if not strategy._is_set_up:
+        pending.state, pending.source, pending.scheduler_only = state, source, False
+        return
+    try:
+        apply_state(strategy, state, scheduler=in_run_start)
+    except Exception as err:
+        err.add_note(f"while restoring {source}")
+        raise
+    if in_run_start or state.get("scheduler") is None:
+        pending.state = None
+    else:
+        pending.state, pending.source, pending.scheduler_only = state, source, True
+
+
+def _pending(strategy: TrainingStrategy) -> PendingRestore:
+    for plugin in strategy.bus.plugins():
+        if isinstance(plugin, PendingRestore):
+            return plugin
+    pending = PendingRestore(strategy)
+    strategy.bus.register(pending, PendingRestore.plugin_name)
+    return pending
+
+
+# -- the on-disk reader -------------------------------------------------------------------------
+
+
+def find_checkpoint_reader(hooks: Iterable[object] = ()) -> Callable[[str | os.PathLike[str]], dict[str, Any]]:
+    """``read_checkpoint(path) -> state`` from a hook that has one, else the ``checkpoint`` entry point."""
+    for hook in hooks:
+        reader = getattr(hook, "read_checkpoint", None)
+        if callable(reader) and not isinstance(hook, type):
+            return reader  # type: ignore[no-any-return]
+    failures: list[str] = []
+    for entry_point in importlib.metadata.entry_points(group=PROJECT_NAME, name=READER_ENTRY_POINT):
+        try:
+            module = entry_point.load()
+        except Exception as err:  # noqa: BLE001  (reported below with the entry point's name)
+            failures.append(f"entry point {entry_point.value!r} failed to import: {type(err).__name__}: {err}")
+            continue
+        reader = getattr(module, "read_checkpoint", None)
+        if callable(reader):
+            return reader  # type: ignore[no-any-return]
+        failures.append(f"entry point {entry_point.value!r} has no read_checkpoint()")
+    detail = f" ({'; '.join(failures)})" if failures else ""
+    raise ImportError(
+        "reading a checkpoint needs the nvtrain-checkpoint distribution (pip install nvtrain-checkpoint), "
+        f"or a hook with read_checkpoint(path) in TrainingStrategy.hooks{detail}"
+    )
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy

@@ -1,0 +1,731 @@
+"""StepScheduler: which micro-batches form a step, and what each step boundary asks for.
+
+One object decides the accumulation windows, the checkpoint / validation /
+logging / garbage-collection cadences, the last step of the run and
+preemption, and records where to resume. ``TrainingStrategy.run()`` drives
+one; it also works on its own::
+
+    scheduler = StepSchedulerConfig(global_batch_size=64, max_steps=1000).build(loader, dp_size, 8)
+    with scheduler:                            # catch SIGTERM for the duration of the run
+        for epoch in scheduler.epochs:
+            for window in scheduler:           # one list of micro-batches per optimizer step
+                train(window)
+                scheduler.finish_step()        # the step boundary: count it, poll preemption once
+                if scheduler.is_val_step:
+                    validate()
+                if scheduler.is_ckpt_step:
+                    save(scheduler.state_dict())
+
+Cadence convention: a step boundary closes step number ``scheduler.step``
+(1-based: the count of completed optimizer steps, like ``ctx.step_count``); a
+cadence of ``every`` fires when ``scheduler.step % every == 0``, i.e. on the
+0-based step indices ``i`` with ``(i + 1) % every == 0``. Only real steps
+(``finish_step(stepped=True)``) fire cadences. See docs/step-scheduler.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import warnings
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["StepScheduler", "StepSchedulerConfig"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_KEYS = ("step", "epoch", "position", "config")
+_CONFIG_KEYS = ("global_batch_size", "local_batch_size", "dp_size", "grad_acc_steps", "loader_len")
+_NO_ITEM: Any = object()
+
+
+def _check_int(owner: str, name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = f"an int >= {minimum}" + (" or None" if optional else "")
+        raise ValueError(f"{owner}.{name} must be {expected} (got {value!r})")
+
+
+def _val_cadences(owner: str, value: int | Sequence[int] | None) -> tuple[int, ...]:
+    items = [] if value is None else ([value] if isinstance(value, int) else list(value))
+    for item in items:
+        _check_int(owner, "val_every_steps", item, 1)
+    return tuple(sorted(set(items)))
+
+
+def _loader_len(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:  # no __len__, or a DataLoader over an IterableDataset without one
+        return None
+
+
+def _loader_parts(loader: Any) -> list[Any]:
+    """The loader and the objects behind it that may carry per-epoch state, each once."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    candidates = [
+        loader,
+        getattr(loader, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+        getattr(loader, "dataset", None),
+        getattr(loader, "collate_fn", None),
+    ]
+    parts: list[Any] = []
+    for part in candidates:
+        if part is not None and all(part is not seen for seen in parts):
+            parts.append(part)
+    return parts
+
+
+def _loader_generators(loader: Any) -> list[torch.Generator]:
+    """The RNG generators a new iterator of ``loader`` may draw from (besides the global one)."""
+    generators: list[torch.Generator] = []
+    for part in (loader, *_loader_parts(loader)[1:4]):
+        generator = getattr(part, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in generators):
+            generators.append(generator)
+    return generators
+
+
+def _capture_rng(generators: Sequence[torch.Generator]) -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
+
+
+def _restore_rng(state: dict[str, Any], generators: Sequence[torch.Generator]) -> None:
+    saved = list(state.get("generators", []))
+    if len(saved) != len(generators):
+        raise ValueError(
+            f"StepScheduler: the saved epoch RNG holds {len(saved)} sampler/loader generator state(s) but the "
+            f"dataloader has {len(generators)} generator(s); build the loader the same way as the saved run"
+        )
+    torch.set_rng_state(state["torch"])
+    for generator, generator_state in zip(generators, saved):
+        generator.set_state(generator_state)
+
+
+@attrs.frozen
+class _Boundary:
+    """What the latest step boundary decided (fixed when ``finish_step`` ran)."""
+
+    stepped: bool
+    epoch_end: bool
+    last: bool
+
+
+class StepScheduler:
+    """Groups micro-batches into optimizer steps and answers what each step boundary requires.
+
+    ``grad_acc_steps = global_batch_size // (local_batch_size * dp_size)`` micro-batches
+    form a window; a trailing partial window is its own step. Training stops at
+    whichever comes first, ``max_steps`` completed steps or ``num_epochs`` epochs;
+    ``None`` derives the bound from the other (neither: one epoch). Both are
+    absolute: a resumed scheduler stops where an uninterrupted one would.
+
+    Predicates (``is_ckpt_step``, ``is_val_step``, ``is_last_step``,
+    ``is_remote_logging_step``, ``is_gc_step``) describe the step that the latest
+    :meth:`finish_step` closed; they are False while a window is open. Reading
+    them never communicates: :meth:`finish_step` polls preemption once (one
+    collective under ``torch.distributed``) and the properties report its answer.
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int,
+        local_batch_size: int,
+        dp_size: int,
+        dataloader: Any | None,
+        ckpt_every_steps: int | None = None,
+        save_checkpoint_every_epoch: bool = True,
+        validate_on_checkpoint: bool = True,
+        val_every_steps: int | Sequence[int] | None = None,
+        log_remote_every_steps: int = 1,
+        loss_average_window_steps: int = 50,
+        gc_every_steps: int | None = None,
+        start_step: int = 0,
+        start_epoch: int = 0,
+        num_epochs: int | None = None,
+        max_steps: int | None = None,
+        preemption_signal: SignalLike | Sequence[SignalLike] | None = signal.SIGTERM,
+        process_group: Any = None,
+        synchronized_stream: bool = False,
+    ) -> None:
+        owner = "StepScheduler"
+        for name, value in (
+            ("global_batch_size", global_batch_size),
+            ("local_batch_size", local_batch_size),
+            ("dp_size", dp_size),
+        ):
+            _check_int(owner, name, value, 1)
+        if global_batch_size % (local_batch_size * dp_size):
+            raise ValueError(
+                f"{owner}: global_batch_size={global_batch_size} is not a multiple of "
+                f"local_batch_size={local_batch_size} * dp_size={dp_size} (= {local_batch_size * dp_size}); "
+                "every optimizer step must see whole micro-batches on every rank"
+            )
+        for name, bound in (
+            ("ckpt_every_steps", ckpt_every_steps),
+            ("gc_every_steps", gc_every_steps),
+            ("num_epochs", num_epochs),
+            ("max_steps", max_steps),
+        ):
+            _check_int(owner, name, bound, 1, optional=True)
+        _check_int(owner, "log_remote_every_steps", log_remote_every_steps, 1)
+        _check_int(owner, "loss_average_window_steps", loss_average_window_steps, 1)
+        _check_int(owner, "start_step", start_step, 0)
+        _check_int(owner, "start_epoch", start_epoch, 0)
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = local_batch_size
+        self.dp_size = dp_size
+        self.grad_acc_steps = global_batch_size // (local_batch_size * dp_size)
+        self.dataloader: Any = dataloader
+        self.ckpt_every_steps = ckpt_every_steps
+        self.save_checkpoint_every_epoch = bool(save_checkpoint_every_epoch)
+        self.validate_on_checkpoint = bool(validate_on_checkpoint)
+        self.val_every_steps: tuple[int, ...] = _val_cadences(owner, val_every_steps)
+        self.log_remote_every_steps = log_remote_every_steps
+        self.loss_average_window_steps = loss_average_window_steps
+        self.gc_every_steps = gc_every_steps
+        self.synchronized_stream = bool(synchronized_stream)
+        self.process_group = process_group
+        self.max_steps = max_steps
+        self.num_epochs: int | None = num_epochs if num_epochs is not None or max_steps is not None else 1
+        self._loader_len = _loader_len(dataloader) if dataloader is not None else None
+        if self._loader_len == 0:
+            raise ValueError(f"{owner}: the dataloader is empty (len() == 0)")
+        self._watcher = PreemptionWatcher(
+            resolve_signals(preemption_signal, f"{owner}.preemption_signal"), process_group
+        )
+        #: Completed optimizer steps (like ``ctx.step_count``); the current epoch (0-based).
+        self.step = start_step
+        self.epoch = start_epoch
+        #: Set when a synchronized stream ran out on some rank: training ends there.
+        self.stream_exhausted = False
+        self._position = 0  # micro-batches of this epoch consumed by closed windows
+        self._epoch_rng: dict[str, Any] | None = None
+        self._iterator: Iterator[Any] | None = None
+        self._pending: Any = _NO_ITEM  # one peeked micro-batch (loaders without len())
+        self._pulled = 0  # micro-batches taken from the live iterator, the pending one excluded
+        self._epoch_items: int | None = None
+        self._replay: tuple[list[Any], bool] | None = None  # a window left open by a ``break``
+        self._window: list[Any] | None = None
+        self._window_is_last = False
+        self._open = False
+        self._iterating = False
+        self._epoch_done = False  # the closed window ended the epoch; __iter__ advances ``epoch``
+        self._boundary: _Boundary | None = None
+        self._in_scope = False  # inside ``with scheduler:`` (signals caught for the whole run)
+
+    # -- sizes ----------------------------------------------------------------------------
+
+    @property
+    def epoch_len(self) -> int | None:
+        """Optimizer steps per epoch (``ceil(len(dataloader) / grad_acc_steps)``); None without ``len()``."""
+        if self._loader_len is None or self.synchronized_stream:
+            return None
+        return math.ceil(self._loader_len / self.grad_acc_steps)
+
+    @property
+    def epochs(self) -> Iterator[int]:
+        """The epochs still to train, starting with the current one (resumes included).
+
+        Each epoch first reaches the sampler, the loader and its dataset / collate
+        function through :meth:`set_epoch`. Between epochs preemption is polled once,
+        so a signal that arrived during epoch-end work ends the run here.
+        """
+        return self._epochs()
+
+    def _epochs(self) -> Iterator[int]:
+        own_scope = not self._in_scope
+        if own_scope:
+            self._watcher.install()
+        try:
+            first = True
+            while not self._training_done() and not self._watcher.preempted:
+                if not first and self._watcher.poll():
+                    return
+                first = False
+                self.set_epoch(self.epoch)
+                yield self.epoch
+        finally:
+            if own_scope:
+                self._watcher.restore()
+
+    def _training_done(self) -> bool:
+        if self.max_steps is not None and self.step >= self.max_steps:
+            return True
+        if self.num_epochs is not None and self.epoch >= self.num_epochs:
+            return True
+        return self.stream_exhausted
+
+    # -- iteration ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        """Yield the rest of the current epoch as windows (lists of micro-batches).
+
+        Stops after the last step, after a step at which preemption was agreed, and
+        at the end of the epoch (advancing :attr:`epoch`). Call :meth:`finish_step`
+        once per window.
+        """
+        if self.dataloader is None:
+            raise ValueError("StepScheduler was built without a dataloader; it can only answer cadence questions")
+        if self._iterating:
+            raise RuntimeError("StepScheduler: already iterating; one loop over the scheduler at a time")
+        self._iterating = True
+        try:
+            while not self._training_done() and not self._watcher.preempted:
+                if self._replay is not None:
+                    window, is_last = self._replay
+                    self._replay = None
+                else:
+                    window, is_last = self._next_window()
+                if not window:
+                    self._advance_epoch()
+                    return
+                self._window, self._window_is_last = window, is_last
+                self._open, self._boundary = True, None
+                try:
+                    yield window
+                except GeneratorExit:
+                    if self._open:  # the loop broke before finish_step(): yield this window again next time
+                        self._replay, self._open = (window, is_last), False
+                    elif self._epoch_done:
+                        self._advance_epoch()
+                    raise
+                if self._open:
+                    self._open = False
+                    self._replay = (window, is_last)
+                    raise RuntimeError(
+                        f"StepScheduler: finish_step() was not called for step {self.step} "
+                        f"(epoch {self.epoch}); call it once per window, after the optimizer step"
+                    )
+                if self._epoch_done:
+                    self._advance_epoch()
+                    return
+        finally:
+            self._iterating = False
+
+    def finish_step(self, stepped: bool = True) -> None:
+        """Close the open window: count the step (when ``stepped``), poll preemption once.
+
+        ``stepped=False`` records a window whose optimizer step was skipped (a veto
+        or a GradScaler overflow): its data is consumed but no step counted, so no
+        step cadence fires. This is the only call that communicates across ranks.
+        """
+        if not self._open or self._window is None:
+            raise RuntimeError("StepScheduler.finish_step(): no open window (called twice, or outside the loop)")
+        self._open = False
+        if stepped:
+            self.step += 1
+        self._position = self._pulled
+        self._epoch_done = self._window_is_last
+        if self._window_is_last and self.synchronized_stream:
+            self.stream_exhausted = True  # a synchronized stream is read once: its end is the end of training
+        self._watcher.poll()
+        last = (self.max_steps is not None and self.step >= self.max_steps) or (
+            self._window_is_last
+            and (self.synchronized_stream or (self.num_epochs is not None and self.epoch + 1 >= self.num_epochs))
+        )
+        self._boundary = _Boundary(stepped=stepped, epoch_end=self._window_is_last, last=last)
+
+    def poll_preemption(self) -> bool:
+        """Poll preemption outside a step boundary (after validation, at an epoch end); one collective.
+
+        All ranks must call it at the same points. Returns :attr:`sigterm_received`.
+        """
+        return self._watcher.poll()
+
+    def _advance_epoch(self) -> None:
+        self.epoch += 1
+        self._position = 0
+        self._epoch_done = False
+        self._epoch_rng = None
+        self._drop_iterator()
+
+    def _drop_iterator(self) -> None:
+        self._iterator, self._pending, self._pulled, self._epoch_items = None, _NO_ITEM, 0, None
+
+    def _open_iterator(self) -> Iterator[Any]:
+        loader = self.dataloader
+        generators = _loader_generators(loader)
+        position = self._position
+        if position == 0:
+            self._epoch_rng = _capture_rng(generators)
+            iterator = iter(loader)
+        else:
+            now = _capture_rng(generators)
+            if self._epoch_rng is None:
+                warnings.warn(
+                    f"StepScheduler: resuming epoch {self.epoch} at micro-batch {position} without the epoch's "
+                    "RNG state; a shuffling loader will not replay the saved order",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            else:
+                _restore_rng(self._epoch_rng, generators)
+            try:
+                iterator = iter(loader)
+                for skipped in range(position):
+                    if next(iterator, _NO_ITEM) is _NO_ITEM:
+                        raise ValueError(
+                            f"StepScheduler: cannot resume epoch {self.epoch} at micro-batch {position}: the "
+                            f"dataloader yields only {skipped} this epoch"
+                        )
+            finally:
+                _restore_rng(now, generators)
+        self._iterator, self._pending, self._pulled = iterator, _NO_ITEM, position
+        self._epoch_items = None if self.synchronized_stream else _loader_len(loader)
+        return iterator
+
+    def _take(self, iterator: Iterator[Any]) -> Any:
+        if self._pending is not _NO_ITEM:
+            item, self._pending = self._pending, _NO_ITEM
+            self._pulled += 1
+            return item
+        item = next(iterator, _NO_ITEM)
+        if item is not _NO_ITEM:
+            self._pulled += 1
+        return item
+
+    def _next_window(self) -> tuple[list[Any], bool]:
+        """The next window and whether it ends the epoch (known before it is yielded)."""
+        iterator = self._iterator if self._iterator is not None else self._open_iterator()
+        size = self.grad_acc_steps
+        items = self._epoch_items
+        if items is not None:
+            size = min(size, items - self._pulled)
+        window: list[Any] = []
+        exhausted = False
+        while len(window) < size:
+            item = self._take(iterator)
+            if item is _NO_ITEM:
+                exhausted = True
+                break
+            window.append(item)
+        if items is not None:
+            if exhausted and items > self._pulled:
+                warnings.warn(
+                    f"StepScheduler: the dataloader reported len() == {items} but epoch {self.epoch} ended after "
+                    f"{self._pulled} micro-batches",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            is_last = exhausted or self._pulled >= items
+        else:
+            if not exhausted:  # peek one micro-batch: is there a next window?
+                peeked = next(iterator, _NO_ITEM)
+                exhausted = peeked is _NO_ITEM
+                self._pending = peeked
+            is_last = exhausted
+        if self.synchronized_stream:
+            window, is_last = self._agree_on_window(window, is_last)
+        if not window and self._pulled == self._position == 0 and not self.synchronized_stream:
+            raise ValueError(f"StepScheduler: the dataloader yielded no micro-batches in epoch {self.epoch}")
+        return window, is_last
+
+    def _agree_on_window(self, window: list[Any], is_last: bool) -> tuple[list[Any], bool]:
+        """All ranks take the same window size; when one rank's stream ends, all stop (one collective)."""
+        group = self.process_group
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            votes = torch.tensor(
+                [self.grad_acc_steps - len(window), int(is_last)], dtype=torch.int64, device=collective_device(group)
+            )
+            dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
+            deficit, any_last = (int(v) for v in votes.tolist())
+            size = self.grad_acc_steps - deficit
+            if size < len(window):
+                logger.info("StepScheduler: dropping %d micro-batch(es) another rank does not have", len(window) - size)
+                window = window[:size]
+            is_last = bool(any_last)
+        if not window:  # some rank had nothing at all: every rank stops here
+            self.stream_exhausted = True
+        return window, is_last
+
+    # -- predicates: the step the latest finish_step() closed -----------------------------------
+
+    def _cadence(self, every: int | None) -> bool:
+        boundary = self._boundary
+        return boundary is not None and boundary.stepped and every is not None and self.step % every == 0
+
+    @property
+    def is_ckpt_step(self) -> bool:
+        """Checkpoint now: the ``ckpt_every_steps`` cadence, an epoch's end, the last step, or preemption."""
+        boundary = self._boundary
+        if boundary is None:
+            return False
+        return (
+            self._watcher.preempted
+            or boundary.last
+            or (self.save_checkpoint_every_epoch and boundary.epoch_end)
+            or self._cadence(self.ckpt_every_steps)
+        )
+
+    @property
+    def is_val_step(self) -> bool:
+        """Validate now: a ``val_every_steps`` cadence, or a checkpoint step when ``validate_on_checkpoint``.
+
+        A checkpoint taken only because of preemption does not validate: the
+        grace period before the hard kill is for saving.
+        """
+        boundary = self._boundary
+        if boundary is None:
+            return False
+        if any(self._cadence(every) for every in self.val_every_steps):
+            return True
+        return self.validate_on_checkpoint and (
+            boundary.last
+            or (self.save_checkpoint_every_epoch and boundary.epoch_end)
+            or self._cadence(self.ckpt_every_steps)
+        )
+
+    @property
+    def is_remote_logging_step(self) -> bool:
+        """Send metrics to remote services now (``log_remote_every_steps`` cadence)."""
+        return self._cadence(self.log_remote_every_steps)
+
+    @property
+    def is_gc_step(self) -> bool:
+        """Run ``gc.collect()`` now (``gc_every_steps`` cadence; never when it is None)."""
+        return self._cadence(self.gc_every_steps)
+
+    @property
+    def is_last_batch(self) -> bool:
+        """The current window is the last of its epoch (known from the moment it is yielded)."""
+        return self._window is not None and self._window_is_last
+
+    @property
+    def is_last_step(self) -> bool:
+        """The step just closed is the final one: ``max_steps`` reached or the last epoch's data used up.
+
+        True at exactly one boundary of a complete run, also for loaders without
+        ``len()`` (the scheduler looks one micro-batch ahead to know). Preemption
+        does not make a step the last one: the run is resumed later.
+        """
+        return self._boundary is not None and self._boundary.last
+
+    @property
+    def sigterm_received(self) -> bool:
+        """A preemption signal was agreed at the latest poll (any rank received one)."""
+        return self._watcher.preempted
+
+    @property
+    def preemption_signals(self) -> tuple[signal.Signals, ...]:
+        return self._watcher.signals
+
+    @property
+    def position(self) -> int:
+        """Micro-batches of the current epoch consumed by closed windows."""
+        return self._position
+
+    # -- epochs, signals, resume -------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make ``epoch`` current and tell the sampler, the loader, its dataset and collate function.
+
+        Every object among them with a ``set_epoch`` method is called (a
+        ``DistributedSampler`` reshuffles with it). Moving to another epoch starts
+        it from its first micro-batch.
+        """
+        _check_int("StepScheduler.set_epoch()", "epoch", epoch, 0)
+        if self._open:
+            raise RuntimeError("StepScheduler.set_epoch(): a window is open; call finish_step() first")
+        if epoch != self.epoch:
+            self.epoch, self._position, self._epoch_rng, self._epoch_done = epoch, 0, None, False
+            self._replay = None
+            self._drop_iterator()
+        if self.dataloader is not None:
+            for part in _loader_parts(self.dataloader):
+                set_epoch = getattr(part, "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(epoch)
+
+    def __enter__(self) -> Self:
+        """Catch the preemption signals until ``__exit__`` (which restores the previous handlers)."""
+        self._watcher.install()
+        self._in_scope = True
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        received = self._watcher.received_signal
+        self._in_scope = False
+        self._watcher.restore()
+        if received is not None and not self._watcher.preempted:
+            logger.warning(
+                "StepScheduler: %s arrived after the last preemption poll; it was not acted on",
+                signal.Signals(received).name,
+            )
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "global_batch_size": self.global_batch_size,
+            "local_batch_size": self.local_batch_size,
+            "dp_size": self.dp_size,
+            "grad_acc_steps": self.grad_acc_steps,
+            "loader_len": self._loader_len,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume: ``step``, ``epoch``, ``position`` (micro-batches into the epoch), the
+        epoch's RNG states (``epoch_rng``) and the ``config`` a resume must match.
+
+        Correct whenever it is called: a window counts once ``finish_step()`` closed
+        it; after an epoch's last window the state points at the next epoch.
+        """
+        if self._epoch_done and not self._open:
+            epoch, position, rng = self.epoch + 1, 0, None
+        else:
+            epoch, position, rng = self.epoch, self._position, self._epoch_rng
+        return {
+            "step": self.step,
+            "epoch": epoch,
+            "position": position,
+            "epoch_rng": None
+            if rng is None or position == 0
+            else {"torch": rng["torch"].clone(), "generators": [s.clone() for s in rng["generators"]]},
+            "stream_exhausted": self.stream_exhausted,
+            "config": self._config(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`); refuses a different batch / data configuration."""
+        if self._iterating or self._open:
+            raise RuntimeError("StepScheduler.load_state_dict(): cannot load while iterating; load before the loop")
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(f"StepScheduler.load_state_dict: the state lacks {missing} (keys: {sorted(state)})")
+        saved = dict(state["config"])
+        mine = self._config()
+        differ = {key: (saved.get(key), mine[key]) for key in _CONFIG_KEYS if saved.get(key) != mine[key]}
+        if differ:
+            details = ", ".join(f"{key}: saved {was!r}, now {now!r}" for key, (was, now) in differ.items())
+            raise ValueError(
+                f"StepScheduler.load_state_dict: the checkpoint was written with a different configuration "
+                f"({details}); resuming would replay different data. Use the same global/local batch size, "
+                "data-parallel size and dataset"
+            )
+        for key in ("step", "epoch", "position"):
+            _check_int("StepScheduler.load_state_dict", key, state[key], 0)
+        rng = state.get("epoch_rng")
+        self.step, self.epoch, self._position = int(state["step"]), int(state["epoch"]), int(state["position"])
+        self._epoch_rng = None if rng is None else {"torch": rng["torch"], "generators": list(rng["generators"])}
+        self.stream_exhausted = bool(state.get("stream_exhausted", False))
+        self._epoch_done, self._replay, self._window, self._window_is_last, self._boundary = (
+            False,
+            None,
+            None,
+            False,
+            None,
+        )
+        self._drop_iterator()
+
+    def __repr__(self) -> str:
+        return (
+            f"StepScheduler(step={self.step}, epoch={self.epoch}, position={self._position}, "
+            f"grad_acc_steps={self.grad_acc_steps}, max_steps={self.max_steps}, num_epochs={self.num_epochs})"
+        )
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+def _int_field(minimum: int, optional: bool) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        _check_int("StepSchedulerConfig", attribute.name, value, minimum, optional=optional)
+
+    return check
+
+
+def _check_signal(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    resolve_signals(value, "StepSchedulerConfig.preemption_signal")
+
+
+def _as_signal_spec(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+@attrs.frozen
+class StepSchedulerConfig:
+    """User-facing step scheduler configuration (what a YAML file sets).
+
+    ``None`` for ``global_batch_size`` means one micro-batch per rank per step
+    (``TrainingStrategy`` uses its accumulation hook's ``steps``); ``None`` for
+    ``num_epochs`` / ``max_steps`` means "derive from the other" (neither: one
+    epoch), so ``StepSchedulerConfig(max_steps=100)`` trains exactly 100 steps.
+    Runtime values (dataloader, data-parallel size, local batch size) are given
+    to :meth:`build`.
+    """
+
+    #: Samples per optimizer step across all data-parallel ranks.
+    global_batch_size: int | None = attrs.field(default=None, validator=_int_field(1, True))
+    num_epochs: int | None = attrs.field(default=None, validator=_int_field(1, True))
+    max_steps: int | None = attrs.field(default=None, validator=_int_field(1, True))
+    #: Checkpoint every N optimizer steps (None: only epoch ends, the last step and preemption).
+    ckpt_every_steps: int | None = attrs.field(default=100, validator=_int_field(1, True))
+    save_checkpoint_every_epoch: bool = True
+    validate_on_checkpoint: bool = True
+    val_every_steps: int | None = attrs.field(default=None, validator=_int_field(1, True))
+    log_remote_every_steps: int = attrs.field(default=1, validator=_int_field(1, False))
+    loss_average_window_steps: int = attrs.field(default=50, validator=_int_field(1, False))
+    gc_every_steps: int | None = attrs.field(default=None, validator=_int_field(1, True))
+    start_step: int = attrs.field(default=0, validator=_int_field(0, False))
+    start_epoch: int = attrs.field(default=0, validator=_int_field(0, False))
+    #: Signal(s) that trigger a preemption checkpoint: a name ("SIGTERM"), a number, or a list; None disables.
+    preemption_signal: int | str | tuple[int | str, ...] | None = attrs.field(
+        default="SIGTERM", converter=_as_signal_spec, validator=_check_signal
+    )
+
+    def build(
+        self,
+        dataloader: Any | None,
+        dp_group_size: int,
+        local_batch_size: int,
+        process_group: Any = None,
+        synchronized_stream: bool | None = None,
+    ) -> StepScheduler:
+        """Build the scheduler for this rank's ``dataloader``.
+
+        ``synchronized_stream=None`` follows the loader's own ``synchronized_stream``
+        attribute (default False).
+        """
+        global_batch_size = self.global_batch_size
+        if global_batch_size is None:
+            _check_int("StepSchedulerConfig.build()", "local_batch_size", local_batch_size, 1)
+            _check_int("StepSchedulerConfig.build()", "dp_group_size", dp_group_size, 1)
+            global_batch_size = local_batch_size * dp_group_size
+        if synchronized_stream is None:
+            synchronized_stream = bool(getattr(dataloader, "synchronized_stream", False))
+        return StepScheduler(
+            global_batch_size=global_batch_size,
+            local_batch_size=local_batch_size,
+            dp_size=dp_group_size,
+            dataloader=dataloader,
+            ckpt_every_steps=self.ckpt_every_steps,
+            save_checkpoint_every_epoch=self.save_checkpoint_every_epoch,
+            validate_on_checkpoint=self.validate_on_checkpoint,
+            val_every_steps=self.val_every_steps,
+            log_remote_every_steps=self.log_remote_every_steps,
+            loss_average_window_steps=self.loss_average_window_steps,
+            gc_every_steps=self.gc_every_steps,
+            start_step=self.start_step,
+            start_epoch=self.start_epoch,
+            num_epochs=self.num_epochs,
+            max_steps=self.max_steps,
+            preemption_signal=self.preemption_signal,
+            process_group=process_group,
+            synchronized_stream=synchronized_stream,
+        )

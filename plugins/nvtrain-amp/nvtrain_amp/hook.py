@@ -1,0 +1,303 @@
+"""MixedPrecisionHook: autocast for the forward and loss, GradScaler for fp16 updates."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, ClassVar
+
+import attrs
+import torch
+from torch.utils.hooks import RemovableHandle
+
+import nvtrain
+from nvtrain import TrainingStage
+from nvtrain_amp.precision import AUTO, Precision, parse_precision, precision_name, resolve_auto
+
+__all__ = ["MixedPrecisionHook"]
+
+_BEFORE_BATCH = TrainingStage.BEFORE_BATCH
+_DO_BACKWARD = TrainingStage.DO_BACKWARD
+_DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
+_AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
+
+
+def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"MixedPrecisionHook.{attribute.name} must be a number > 0 (got {value!r})")
+
+
+def _above_one(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1.0:
+        raise ValueError(f"MixedPrecisionHook.{attribute.name} must be a number > 1.0 (got {value!r})")
+
+
+def _between_zero_and_one(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise ValueError(f"MixedPrecisionHook.{attribute.name} must be a number in (0.0, 1.0) (got {value!r})")
+
+
+def _positive_int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"MixedPrecisionHook.{attribute.name} must be an int >= 1 (got {value!r})")
+
+
+def _int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"MixedPrecisionHook.{attribute.name} must be an int (got {value!r})")
+
+
+@attrs.define(eq=False)
+class _StepWatcher:
+    """Learns whether ``optimizer.step()`` ran, from an optimizer step post-hook (no device sync)."""
+
+    handle: RemovableHandle | None = None
+    stepped: bool = False
+
+    def mark(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.stepped = True
+
+
+@attrs.define(eq=False)
+class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
+    """Runs the forward and loss under autocast and, for fp16, scales the loss with GradScaler.
+
+    ``precision`` is required: ``torch.float32`` (no autocast, no scaler),
+    ``torch.bfloat16`` (autocast, no scaler), ``torch.float16`` (autocast and a
+    GradScaler), as dtypes, as ``"float32"``/``"bfloat16"``/``"float16"`` or as
+    ``"fp32"``/``"bf16"``/``"fp16"``; ``"auto"`` picks bf16 on CUDA and fp32
+    elsewhere once the strategy's device is known. The GradScaler settings are
+    used only for fp16.
+
+    Autocast is entered at BEFORE_BATCH and left at DO_BACKWARD, before the
+    orchestrator calls ``backward()``. Under fp16 the loss is scaled at
+    DO_BACKWARD; gradients are unscaled at DO_OPTIMIZER_STEP only when no earlier
+    hook vetoed the step (so clipping and spike detection at priorities 30/40 see
+    real gradients); ``scaler.step`` runs in :meth:`step_optimizer`, and
+    ``scaler.update`` at AFTER_OPTIMIZER_STEP whenever this batch unscaled. A
+    GradScaler inf/NaN skip is reported as a skipped step.
+    """
+
+    plugin_name: ClassVar[str] = "amp"
+    exclusive_key: ClassVar[str | None] = "mixed_precision"
+    stages: ClassVar[frozenset[TrainingStage]] = frozenset(
+        {_BEFORE_BATCH, _DO_BACKWARD, _DO_OPTIMIZER_STEP, _AFTER_OPTIMIZER_STEP}
+    )
+
+    precision: Precision = attrs.field(converter=parse_precision)
+    init_scale: float = attrs.field(default=2.0**16, validator=_positive)
+    growth_factor: float = attrs.field(default=2.0, validator=_above_one)
+    backoff_factor: float = attrs.field(default=0.5, validator=_between_zero_and_one)
+    growth_interval: int = attrs.field(default=2000, validator=_positive_int)
+    priority: int = attrs.field(default=20, validator=_int)
+
+    _dtype: torch.dtype | None = attrs.field(init=False, default=None, repr=False)
+    _device_type: str | None = attrs.field(init=False, default=None, repr=False)
+    _scaler: torch.amp.GradScaler | None = attrs.field(init=False, default=None, repr=False)
+    _autocast_stack: contextlib.ExitStack | None = attrs.field(init=False, default=None, repr=False)
+    _unscaled: bool = attrs.field(init=False, default=False, repr=False)
+    _watchers: weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepWatcher] = attrs.field(
+        init=False, factory=weakref.WeakKeyDictionary, repr=False
+    )
+    _pending_scaler_state: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
+    _saved_precision: str | None = attrs.field(init=False, default=None, repr=False)
+
+    # -- what the rest of the framework reads ---------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The precision in effect: the configured dtype, or what ``"auto"`` resolved to (else None)."""
+        if self._dtype is not None:
+            return self._dtype
+        return None if self.precision == AUTO else self.precision  # type: ignore[return-value]
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The fp16 GradScaler once created (at SETUP or first use); None for bf16 / fp32."""
+        return self._scaler
+
+    def create_scaler(self, device_type: str) -> torch.amp.GradScaler:
+        """Build the fp16 GradScaler for ``device_type``; override to substitute another scaler."""
+        return torch.amp.GradScaler(
+            device_type,
+            init_scale=float(self.init_scale),
+            growth_factor=float(self.growth_factor),
+            backoff_factor=float(self.backoff_factor),
+            growth_interval=self.growth_interval,
+        )
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """A fresh autocast context for this precision (validation uses it); a no-op for fp32.
+
+        The device type is the strategy's once the hook has seen it (SETUP); before
+        that, CUDA when available, else CPU, which is the strategy's own default.
+        """
+        device_type = self._device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = self.dtype or resolve_auto(torch.device(device_type))
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=dtype)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @nvtrain.hookimpl
+    def setup(self, ctx: nvtrain.TrainingContext) -> None:
+        """Learn the device early, so ``autocast()`` is right for a validation before training."""
+        self._resolve(ctx.device)
+
+    def close(self) -> None:
+        """Leave an autocast region an exception left open; drop the optimizer step watchers."""
+        self._close_autocast()
+        for watcher in list(self._watchers.values()):
+            if watcher.handle is not None:
+                watcher.handle.remove()
+        self._watchers.clear()
+
+    # -- the update stages -------------------------------------------------------------------
+
+    def __call__(
+        self, ctx: nvtrain.TrainingContext, stage: TrainingStage, will_skip: bool
+    ) -> tuple[bool, torch.Tensor | None]:
+        if stage == _BEFORE_BATCH:
+            self._before_batch(ctx)
+        elif stage == _DO_BACKWARD:
+            return True, self._do_backward(ctx)
+        elif stage == _DO_OPTIMIZER_STEP:
+            if not will_skip and self._scaler is not None:
+                for optimizer in ctx.optimizers.values():
+                    self._scaler.unscale_(optimizer)
+                self._unscaled = True
+        elif stage == _AFTER_OPTIMIZER_STEP and self._unscaled:
+            # Also after a later hook vetoed the step: update() consumes the inf checks
+            # unscale_ recorded and resets the per-optimizer state, so the next unscale_ works.
+            self._unscaled = False
+            self._scaler.update()  # type: ignore[union-attr]
+        return True, None
+
+    def step_optimizer(self, ctx: nvtrain.TrainingContext, name: str, optimizer: torch.optim.Optimizer) -> bool:
+        """Step ``optimizer`` (through the scaler under fp16); return whether it really stepped.
+
+        GradScaler already reads its inf/NaN check to the host inside ``step()`` (one
+        sync per device) and calls ``optimizer.step()`` only when it is clean; a step
+        post-hook on the optimizer records that call, so knowing the outcome costs no
+        further sync. Optimizers that handle scaling in their own kernel
+        (``_step_supports_amp_scaling``, e.g. fused Adam) are always called and skip on
+        the device; for those the hook reads the inf check once.
+        """
+        scaler = self._scaler
+        if scaler is None:
+            optimizer.step()
+            return True
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            scaler.step(optimizer)
+            found = list(scaler._found_inf_per_device(optimizer).values())
+            if not found:
+                return True
+            device = found[0].device
+            total = torch.stack([t.to(device) for t in found]).sum()
+            return not bool(total)  # the one host sync this path makes
+        watcher = self._watcher(optimizer)
+        watcher.stepped = False
+        scaler.step(optimizer)
+        return watcher.stepped
+
+    # -- checkpoint state ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The precision and, for fp16, the scaler state (reading the scale syncs once)."""
+        dtype = self.dtype
+        state: dict[str, Any] = {"precision": AUTO if dtype is None else precision_name(dtype)}
+        if self._scaler is not None:
+            state["scaler"] = self._scaler.state_dict()
+        elif self._pending_scaler_state is not None:
+            state["scaler"] = dict(self._pending_scaler_state)
+        else:
+            state["scaler"] = None
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the loss scale; refuse a state saved under another precision.
+
+        Before the scaler exists (no batch yet) the state is kept and applied when
+        the scaler is created.
+        """
+        if "precision" not in state:
+            raise ValueError(
+                f"MixedPrecisionHook.load_state_dict: the state has no 'precision' entry (keys: {sorted(state)})"
+            )
+        saved = state["precision"]
+        if saved != AUTO:
+            self._saved_precision = str(saved)
+            if self.dtype is not None:
+                self._check_saved_precision(self.dtype)
+        scaler_state = state.get("scaler")
+        if scaler_state is None:
+            return
+        if self._scaler is not None:
+            self._scaler.load_state_dict(scaler_state)
+        else:
+            self._pending_scaler_state = dict(scaler_state)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _resolve(self, device: torch.device) -> torch.dtype:
+        """Fix the dtype and device type at first sight of the strategy's device."""
+        if self._dtype is not None:
+            return self._dtype
+        dtype = resolve_auto(device) if self.precision == AUTO else self.precision
+        assert isinstance(dtype, torch.dtype)
+        if self._saved_precision is not None:
+            self._check_saved_precision(dtype)
+        self._device_type = device.type
+        if dtype == torch.float16:
+            scaler = self.create_scaler(device.type)
+            if self._pending_scaler_state is not None:
+                scaler.load_state_dict(self._pending_scaler_state)
+                self._pending_scaler_state = None
+            self._scaler = scaler
+        self._dtype = dtype
+        return dtype
+
+    def _check_saved_precision(self, dtype: torch.dtype) -> None:
+        saved, current = self._saved_precision, precision_name(dtype)
+        if saved is not None and saved != current:
+            raise ValueError(
+                f"MixedPrecisionHook.load_state_dict: the state was saved with precision {saved!r} but this "
+                f"hook uses {current!r}; build the hook with precision={saved!r} or do not restore its state"
+            )
+
+    def _before_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        # A batch that raised between BEFORE_BATCH and DO_BACKWARD left autocast open.
+        self._close_autocast()
+        if self._unscaled:
+            # A batch that raised after unscale_: reset the scaler before this batch scales.
+            self._unscaled = False
+            self._scaler.update()  # type: ignore[union-attr]
+        dtype = self._resolve(ctx.device)
+        if dtype != torch.float32:
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.autocast(device_type=ctx.device.type, dtype=dtype))
+            self._autocast_stack = stack
+
+    def _do_backward(self, ctx: nvtrain.TrainingContext) -> torch.Tensor:
+        self._close_autocast()
+        loss = ctx.loss
+        assert loss is not None  # the orchestrator checked it
+        if self._dtype is None:
+            self._resolve(ctx.device)
+        if self._scaler is not None:
+            return self._scaler.scale(loss)
+        return loss
+
+    def _close_autocast(self) -> None:
+        stack, self._autocast_stack = self._autocast_stack, None
+        if stack is not None:
+            stack.close()
+
+    def _watcher(self, optimizer: torch.optim.Optimizer) -> _StepWatcher:
+        watcher = self._watchers.get(optimizer)
+        if watcher is None:
+            watcher = _StepWatcher()
+            watcher.handle = optimizer.register_step_post_hook(watcher.mark)
+            self._watchers[optimizer] = watcher
+        return watcher

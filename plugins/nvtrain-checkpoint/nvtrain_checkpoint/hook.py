@@ -1,0 +1,295 @@
+"""CheckpointHook: saves restartable checkpoints at real steps, and resumes from them."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+import nvtrain
+from nvtrain.hook import DEFAULT_PRIORITY
+from nvtrain.state import capture_rng_state, capture_state, load_state, strategy_hooks
+from nvtrain_checkpoint import storage
+from nvtrain_checkpoint.snapshot import snapshot
+from nvtrain_checkpoint.writer import BackgroundWriter
+
+__all__ = ["CheckpointHook"]
+
+logger = logging.getLogger(__name__)
+
+NEVER = "never"
+AUTO = "auto"
+
+
+def _positive_or_none(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"CheckpointHook.{attribute.name} must be an int >= 1 or None (got {value!r})")
+
+
+def _non_negative_or_none(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"CheckpointHook.{attribute.name} must be an int >= 0 or None (got {value!r})")
+
+
+def _strict_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"CheckpointHook.{attribute.name} must be True or False (got {value!r})")
+
+
+def _int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"CheckpointHook.{attribute.name} must be an int (got {value!r})")
+
+
+def _as_dir(value: Any) -> Path:
+    if isinstance(value, (str, os.PathLike)) and str(value):
+        return Path(value)
+    raise TypeError(f"CheckpointHook.checkpoint_dir must be a non-empty path (got {value!r})")
+
+
+def _as_resume(value: Any) -> str | Path:
+    if value in (NEVER, AUTO):
+        return str(value)
+    if isinstance(value, os.PathLike) or (isinstance(value, str) and value):
+        return Path(value)
+    raise ValueError(f"CheckpointHook.resume must be 'never', 'auto' or a checkpoint path (got {value!r})")
+
+
+@attrs.define(eq=False)
+class CheckpointHook:
+    """Periodically saves restartable checkpoints; optionally resumes from one when a run starts.
+
+    Cadence: with ``step_interval`` and/or ``epoch_interval`` set, every that many
+    completed optimizer steps (checked at AFTER_BATCH of a window's last micro-batch)
+    and completed epochs (at AFTER_EPOCH); with neither, whenever the step scheduler
+    says ``is_ckpt_step`` (its cadence, the final step, a preemption). A preemption
+    signal always saves, and a run that ends with unsaved steps saves once more at
+    AFTER_TRAINING. Only real steps save, and never twice for one ``step_count``.
+
+    ``async_save`` snapshots the state (copies it off the live tensors) on the
+    training thread, then writes on a background thread; the next save, the end of
+    the run and ``close()`` wait for it. ``rank_zero_only`` lets only global rank 0
+    write (the other ranks wait for it); otherwise every rank writes its own
+    ``rank_<r>/`` tree. ``keep_last_n`` keeps that many complete checkpoints (and
+    always the one ``latest`` names). ``resume``: ``"never"``, ``"auto"`` (continue
+    from the latest complete checkpoint in ``checkpoint_dir`` when there is one) or
+    the path of a checkpoint to start from; either applies at the start of a run
+    that has not stepped yet. ``last_checkpoint_index`` is the step of the last
+    checkpoint known to be on disk (async: set when the write completes).
+    """
+
+    plugin_name: ClassVar[str] = "checkpoint"
+
+    checkpoint_dir: Path = attrs.field(converter=_as_dir)
+    step_interval: int | None = attrs.field(default=None, validator=_positive_or_none)
+    epoch_interval: int | None = attrs.field(default=None, validator=_positive_or_none)
+    async_save: bool = attrs.field(default=False, validator=_strict_bool)
+    rank_zero_only: bool = attrs.field(default=True, validator=_strict_bool)
+    last_checkpoint_index: int | None = attrs.field(default=None, validator=_non_negative_or_none)
+    keep_last_n: int | None = attrs.field(default=None, validator=_positive_or_none)
+    resume: str | Path = attrs.field(default=NEVER, converter=_as_resume)
+    priority: int = attrs.field(default=DEFAULT_PRIORITY, validator=_int)
+
+    _writer: BackgroundWriter = attrs.field(init=False, factory=BackgroundWriter, repr=False)
+    _saved_step: int | None = attrs.field(init=False, default=None, repr=False)
+    _plugins: dict[str, dict[str, str]] | None = attrs.field(init=False, default=None, repr=False)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Read and verify the state at ``path`` (a ``step_<N>`` directory or a checkpoint root)."""
+        return storage.read_checkpoint(path)
+
+    def checkpoint_root(self, ctx: nvtrain.TrainingContext) -> Path:
+        """Where this rank's checkpoints go: ``checkpoint_dir``, or ``checkpoint_dir/rank_<r>``
+        when every rank of a multi-process job writes."""
+        if self.rank_zero_only or ctx.world_size == 1:
+            return self.checkpoint_dir
+        return self.checkpoint_dir / f"rank_{ctx.rank}"
+
+    # -- stages ----------------------------------------------------------------------------
+
+    @nvtrain.hookimpl(tryfirst=True)
+    def before_training(self, ctx: nvtrain.TrainingContext) -> None:
+        """Resume (first, so every other hook starts from the restored state)."""
+        self._plugins = _active_plugins(strategy_hooks(ctx.strategy))  # type: ignore[arg-type]
+        self._saved_step = ctx.step_count if ctx.step_count else None
+        if ctx.step_count != 0:
+            return  # restored already (load_checkpoint) or a second run(): the in-memory state is current
+        path = self._resume_path(ctx)
+        if path is not None:
+            state = self.read_checkpoint(path)
+            load_state(ctx.strategy, state, source=f"checkpoint {str(path)!r}")  # type: ignore[arg-type]
+            self._saved_step = ctx.step_count
+            self.last_checkpoint_index = ctx.step_count
+            logger.info("resumed from %s at step %d (epoch %d)", path, ctx.step_count, ctx.epoch)
+
+    @nvtrain.hookimpl(trylast=True)
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        """Save after the last micro-batch of a window, once every other hook has finished with it."""
+        if not ctx.sync_gradients:
+            return
+        scheduler = ctx.scheduler if ctx.windowed else None  # standalone train_batch(): no scheduler decides
+        if scheduler is not None and scheduler.sigterm_received:
+            self._save(ctx)
+            return
+        if ctx.step_skipped:
+            return
+        if self.step_interval is not None or self.epoch_interval is not None:
+            due = self.step_interval is not None and ctx.step_count % self.step_interval == 0
+        else:
+            due = scheduler is not None and bool(scheduler.is_ckpt_step)
+        if due:
+            self._save(ctx)
+
+    @nvtrain.hookimpl(trylast=True)
+    def after_epoch(self, ctx: nvtrain.TrainingContext) -> None:
+        """``epoch_interval``: save once the epoch's end-of-epoch work (validation, AFTER_EPOCH hooks) is done."""
+        if self.epoch_interval is not None and (ctx.epoch + 1) % self.epoch_interval == 0:
+            self._save(ctx)
+
+    @nvtrain.hookimpl(trylast=True)
+    def after_training(self, ctx: nvtrain.TrainingContext) -> None:
+        """Save unsaved progress (a preempted or finished run), then wait until it is on disk."""
+        if ctx.step_count > 0:
+            self._save(ctx)
+        if self._writes(ctx):
+            self._writer.wait()
+        if self.rank_zero_only and _distributed(ctx):
+            torch.distributed.barrier()
+
+    def flush(self) -> None:
+        """Wait until the write in flight (``async_save``) is on disk; its error, if any, is raised here."""
+        self._writer.wait()
+
+    def close(self) -> None:
+        """Flush and stop the background thread (the strategy calls this on exit, also after an error)."""
+        self._writer.close()
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def _writes(self, ctx: nvtrain.TrainingContext) -> bool:
+        return not self.rank_zero_only or ctx.rank == 0
+
+    def _save(self, ctx: nvtrain.TrainingContext) -> None:
+        step = ctx.step_count
+        if step == self._saved_step:
+            return
+        self._saved_step = step
+        writes = self._writes(ctx)
+        if writes:
+            self._writer.wait()  # the previous write is complete (or its error surfaces) before the next
+        gathered = None
+        if self.rank_zero_only and _distributed(ctx):
+            # One collective: every rank's RNG state for rank 0 to save, and the point where no rank
+            # passes before rank 0's previous write finished.
+            gathered = [None] * ctx.world_size
+            torch.distributed.all_gather_object(gathered, capture_rng_state(ctx.train_loader))
+        if writes:
+            state = capture_state(ctx.strategy)  # type: ignore[arg-type]
+            if gathered is not None:
+                state["rng_by_rank"] = gathered
+            copied = snapshot(state)
+            job = functools.partial(
+                storage.save_checkpoint,
+                self.checkpoint_root(ctx),
+                step,
+                copied,
+                self._metadata(ctx),
+                self.keep_last_n,
+            )
+            if self.async_save:
+                self._writer.submit(job, storage.checkpoint_name(step), functools.partial(self._written, step))
+            else:
+                job()
+                self.last_checkpoint_index = step
+        if self.rank_zero_only and _distributed(ctx) and not self.async_save:
+            torch.distributed.barrier()  # nobody races ahead of a half-written checkpoint
+
+    def _written(self, step: int, path: Path) -> None:
+        self.last_checkpoint_index = step
+
+    def _metadata(self, ctx: nvtrain.TrainingContext) -> dict[str, Any]:
+        if self._plugins is None:
+            self._plugins = _active_plugins(strategy_hooks(ctx.strategy))  # type: ignore[arg-type]
+        return {
+            "epoch": ctx.epoch,
+            "global_step_count": ctx.global_step_count,
+            "world_size": ctx.world_size,
+            "nvtrain_version": nvtrain.__version__,
+            "plugins": self._plugins,
+        }
+
+    # -- resuming --------------------------------------------------------------------------
+
+    def _resume_path(self, ctx: nvtrain.TrainingContext) -> Path | None:
+        if self.resume == NEVER:
+            if self._writes(ctx) and storage.latest_checkpoint(self.checkpoint_root(ctx)) is not None:
+                warnings.warn(
+                    f"CheckpointHook: {self.checkpoint_root(ctx)} already holds checkpoints and resume='never'; "
+                    "this run starts fresh and replaces same-numbered ones (resume='auto' continues instead)",
+                    stacklevel=2,
+                )
+            return None
+        if self.resume != AUTO:
+            return Path(self.resume)
+        root = self.checkpoint_root(ctx)
+        found = storage.latest_checkpoint(root)
+        if not _distributed(ctx):
+            return found
+        return _agree(ctx, root, found, shared=self.rank_zero_only)
+
+
+def _distributed(ctx: nvtrain.TrainingContext) -> bool:
+    return ctx.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _agree(ctx: nvtrain.TrainingContext, root: Path, found: Path | None, shared: bool) -> Path | None:
+    """Make every rank resume from the same step (one all_reduce)."""
+    step = -1 if found is None else int(found.name.removeprefix("step_"))
+    device = ctx.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    both = torch.tensor([step, -step], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
+    highest, lowest = int(both[0]), -int(both[1])
+    if highest == lowest:
+        return found
+    if shared:
+        raise storage.CheckpointError(
+            f"ranks see different latest checkpoints in {root} (steps {lowest} to {highest}); with "
+            "rank_zero_only=True checkpoint_dir must be storage every rank shares"
+        )
+    if lowest < 0:
+        raise storage.CheckpointError(
+            f"some ranks have no complete checkpoint under {root.parent} while others reach step {highest}"
+        )
+    chosen = root / storage.checkpoint_name(lowest)
+    if not (chosen / storage.MANIFEST_NAME).is_file():
+        raise storage.CheckpointError(f"{chosen} is missing on rank {ctx.rank}; the ranks cannot agree on a step")
+    return chosen
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions() -> dict[str, list[str]]:
+    return dict(importlib.metadata.packages_distributions())
+
+
+def _active_plugins(hooks: list[object]) -> dict[str, dict[str, str]]:
+    """``{plugin_name: {"distribution": ..., "version": ...}}`` of the hooks that name a plugin."""
+    plugins: dict[str, dict[str, str]] = {}
+    for hook in hooks:
+        name = getattr(hook, "plugin_name", None)
+        if not isinstance(name, str) or name in plugins:
+            continue
+        top = type(hook).__module__.partition(".")[0]
+        distribution = (_distributions().get(top) or [top])[0]
+        version = storage.installed_version(distribution) or str(getattr(sys.modules.get(top), "__version__", "unknown"))
+        plugins[name] = {"distribution": distribution, "version": version}
+    return plugins

@@ -1,0 +1,431 @@
+"""The on-disk format: crash-consistent writing, the ``latest`` pointer, retention and safe loading.
+
+Layout of a checkpoint directory::
+
+    checkpoint_dir/
+        step_500/               one complete checkpoint per saved step
+            state.pt            the training state (torch.save, loaded with weights_only=True)
+            manifest.json       format version, step, versions, size and sha256 of state.pt
+        step_1000/
+        latest                  text: the name of the newest complete checkpoint ("step_1000")
+        .tmp-step_1500-<hex>/   a save in progress (or interrupted): never loaded, removed by the next save
+
+A save writes everything under a ``.tmp-`` name, flushes and fsyncs each file and
+the directory, publishes it with one ``os.rename`` (then fsyncs the parent), and
+only then replaces ``latest`` (temporary file, ``os.replace``, fsync). A process
+killed at any moment therefore leaves every ``step_*`` directory complete and
+``latest`` naming one of them. Deletion (retention, or replacing a same-numbered
+checkpoint) first renames to ``.trash-`` so no half-deleted checkpoint ever looks
+complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import pickle
+import re
+import shutil
+import uuid
+import warnings
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any, cast
+
+import attrs
+import torch
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LATEST_NAME",
+    "MANIFEST_NAME",
+    "STATE_NAME",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointVersionWarning",
+    "checkpoint_name",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "read_checkpoint",
+    "read_manifest",
+    "resolve_checkpoint",
+    "save_checkpoint",
+]
+
+#: Version of the directory layout and manifest; a reader refuses versions it does not know.
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STATE_NAME = "state.pt"
+LATEST_NAME = "latest"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_RANK_DIR = re.compile(r"^rank_(\d+)$")
+_CHUNK = 1 << 22
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, truncated, corrupt or not an nvtrain checkpoint."""
+
+
+class CheckpointVersionWarning(UserWarning):
+    """A checkpoint was written by other versions of nvtrain or its plugins than the running ones."""
+
+
+@attrs.frozen
+class CheckpointInfo:
+    """A complete checkpoint found on disk."""
+
+    path: Path
+    step: int
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step}"
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    step: int,
+    state: Mapping[str, Any],
+    metadata: Mapping[str, Any],
+    keep_last_n: int | None = None,
+) -> Path:
+    """Write ``state`` as ``root/step_<step>`` crash-consistently, point ``latest`` at it, apply retention.
+
+    ``state`` must already be a snapshot (host tensors nobody mutates). ``metadata``
+    goes into the manifest next to the format version, step and file digests.
+    Returns the published directory.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        fsync_dir(root.parent)  # the new directory's own entry survives a crash too
+    remove_leftovers(root)
+    name = checkpoint_name(step)
+    tmp = root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        files = {STATE_NAME: write_state_file(tmp / STATE_NAME, state)}
+        manifest = {"format_version": FORMAT_VERSION, "step": step, **metadata, "files": files}
+        write_manifest(tmp / MANIFEST_NAME, manifest)
+        fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the original error is what matters; never leave a half-save
+        raise
+    final = publish(tmp, root / name)
+    write_latest(root, name)
+    apply_retention(root, keep_last_n)
+    return final
+
+
+class _DigestWriter:
+    """A file object for ``torch.save`` that counts and hashes what it writes."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file = file
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def write_state_file(path: Path, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``torch.save`` to ``path``, flushed and fsynced; returns its size and sha256 for the manifest."""
+    with open(path, "wb") as file:
+        writer = _DigestWriter(file)
+        torch.save(state, cast(IO[bytes], writer))  # torch.save only calls write() and flush()
+        file.flush()
+        os.fsync(file.fileno())
+    return {"size": writer.size, "sha256": writer.digest.hexdigest()}
+
+
+def write_manifest(path: Path, manifest: Mapping[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(manifest, file, indent=2, sort_keys=True)
+        file.write("\n")
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def publish(tmp: Path, final: Path) -> Path:
+    """Rename the finished temporary directory to its final name (replacing a same-named one)."""
+    if final.exists():
+        trash = final.parent / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex}"
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+        shutil.rmtree(trash)
+    else:
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+    return final
+
+
+def write_latest(root: Path, name: str) -> None:
+    """Point ``latest`` at ``name`` atomically (temporary file, fsync, ``os.replace``, fsync)."""
+    tmp = root / f"{TMP_PREFIX}{LATEST_NAME}-{uuid.uuid4().hex}"
+    with open(tmp, "w", encoding="utf-8") as file:
+        file.write(name + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, root / LATEST_NAME)
+    fsync_dir(root)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Delete what interrupted saves and deletions left behind (``.tmp-*``, ``.trash-*``)."""
+    for entry in root.iterdir():
+        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint so that no half-deleted directory ever looks complete."""
+    trash = path.parent / f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex}"
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash)
+
+
+def apply_retention(root: Path, keep_last_n: int | None) -> list[Path]:
+    """Keep the ``keep_last_n`` complete checkpoints with the highest steps, and the one ``latest`` names."""
+    if keep_last_n is None:
+        return []
+    complete = list_checkpoints(root)
+    pointed = _read_pointer(root)
+    keep = {info.path.name for info in complete[-keep_last_n:]}
+    removed = []
+    for info in complete:
+        if info.path.name not in keep and info.path.name != pointed:
+            remove_checkpoint(info.path)
+            removed.append(info.path)
+    return removed
+
+
+# -- finding ------------------------------------------------------------------------------------
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """Complete checkpoints under ``root`` (``step_<N>`` directories with a manifest), by step."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / MANIFEST_NAME).is_file():
+            found.append(CheckpointInfo(entry, int(match.group(1))))
+    return sorted(found, key=lambda info: info.step)
+
+
+def _read_pointer(root: Path) -> str | None:
+    try:
+        name = (root / LATEST_NAME).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    return name if _STEP_DIR.match(name) else None
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint ``latest`` names; the highest complete step if the pointer is missing or stale."""
+    root = Path(root)
+    pointed = _read_pointer(root)
+    if pointed is not None and (root / pointed / MANIFEST_NAME).is_file():
+        return root / pointed
+    complete = list_checkpoints(root)
+    return complete[-1].path if complete else None
+
+
+def resolve_checkpoint(path: str | os.PathLike[str], rank: int | None = None) -> Path:
+    """The checkpoint directory ``path`` means: itself, or a checkpoint root's latest complete one.
+
+    A root written by every rank (``rank_<r>/`` subdirectories) resolves to ``rank``'s
+    (default: the current ``torch.distributed`` rank, else 0).
+    """
+    path = Path(path)
+    if path.is_file():
+        if path.name in (STATE_NAME, MANIFEST_NAME):
+            return resolve_checkpoint(path.parent, rank)
+        raise CheckpointError(
+            f"{path} is a file: an nvtrain checkpoint is a directory holding {MANIFEST_NAME} and {STATE_NAME}"
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}: it does not exist")
+    if (path / MANIFEST_NAME).is_file():
+        return path
+    if path.name.startswith(TMP_PREFIX):
+        raise CheckpointError(f"{path} is an unfinished save (no {MANIFEST_NAME}); unfinished saves are never loaded")
+    if _STEP_DIR.match(path.name):
+        raise CheckpointError(f"{path} has no {MANIFEST_NAME}: it is not a complete checkpoint")
+    latest = latest_checkpoint(path)
+    if latest is not None:
+        return latest
+    ranks = sorted(entry for entry in path.iterdir() if _RANK_DIR.match(entry.name) and entry.is_dir())
+    if ranks:
+        return resolve_checkpoint(path / f"rank_{_current_rank() if rank is None else rank}", rank)
+    raise CheckpointError(f"{path} holds no complete checkpoint (no step_<N> directory with {MANIFEST_NAME})")
+
+
+def _current_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a checkpoint directory, checked for the fields a reader relies on."""
+    file = Path(directory) / MANIFEST_NAME
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} does not exist: {directory} is not a complete checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file} is not a valid manifest (not JSON: {err})") from None
+    if not isinstance(manifest, dict) or "format_version" not in manifest:
+        raise CheckpointError(f"{file} is not an nvtrain checkpoint manifest (no format_version)")
+    version = manifest["format_version"]
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file}: checkpoint format {version!r} is not supported by this nvtrain-checkpoint "
+            f"(it reads format {FORMAT_VERSION}); install the version that wrote it"
+        )
+    entry = manifest.get("files", {}).get(STATE_NAME) if isinstance(manifest.get("files"), dict) else None
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("size"), int)
+        or not isinstance(entry.get("sha256"), str)
+    ):
+        raise CheckpointError(f"{file} does not list {STATE_NAME} with its size and sha256")
+    return manifest
+
+
+def verify_file(path: Path, entry: Mapping[str, Any]) -> None:
+    """Refuse a file whose size or sha256 differs from what the manifest recorded."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing although the manifest lists it") from None
+    if size != entry["size"]:
+        raise CheckpointError(
+            f"{path} is {size} bytes but the manifest recorded {entry['size']}: the file is truncated or was "
+            "modified after the checkpoint was written"
+        )
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+    if digest.hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{path} does not match the sha256 in its manifest: the file is corrupt")
+
+
+def load_state_file(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: a checkpoint can hold data, never code."""
+    with open(path, "rb") as file:
+        if file.read(4) != _ZIP_MAGIC:
+            raise CheckpointError(f"{path} is not a readable torch file (torch.save's zip format expected)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{path} was refused by torch.load(weights_only=True): it holds objects other than tensors and "
+            f"plain data, which a checkpoint may not ({_reason(err)})"
+        ) from err
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
+        raise CheckpointError(f"{path} is not a readable torch file: {type(err).__name__}: {err}") from err
+
+
+def _reason(err: Exception) -> str:
+    """The line of a weights-only refusal that says what was refused (torch's message opens with advice)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    specific = [line for line in lines if "GLOBAL" in line or "Unsupported" in line or "unsupported" in line]
+    return (specific or lines or [type(err).__name__])[0]
+
+
+def read_checkpoint(path: str | os.PathLike[str], rank: int | None = None) -> dict[str, Any]:
+    """Read, verify and return the training state stored at ``path`` (a checkpoint or a checkpoint root).
+
+    :raises CheckpointError: naming the file, for a missing, incomplete, truncated,
+        corrupt or foreign checkpoint, before anything is applied to a model.
+    """
+    from nvtrain.state import check_state
+
+    directory = resolve_checkpoint(path, rank)
+    manifest = read_manifest(directory)
+    state_file = directory / STATE_NAME
+    verify_file(state_file, manifest["files"][STATE_NAME])
+    state = load_state_file(state_file)
+    try:
+        check_state(state, source=str(state_file))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(str(err)) from None
+    differences = version_differences(manifest)
+    if differences:
+        warnings.warn(
+            f"checkpoint {directory} was written by other versions than the running ones: "
+            + "; ".join(differences),
+            CheckpointVersionWarning,
+            stacklevel=2,
+        )
+    return state
+
+
+# -- versions -----------------------------------------------------------------------------------
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_differences(manifest: Mapping[str, Any]) -> list[str]:
+    """``"<what> <saved> -> <running>"`` for nvtrain and every plugin whose version changed."""
+    import nvtrain
+
+    differences = []
+    saved_core = manifest.get("nvtrain_version")
+    if saved_core is not None and saved_core != nvtrain.__version__:
+        differences.append(f"nvtrain {saved_core} -> {nvtrain.__version__}")
+    plugins = manifest.get("plugins") or {}
+    for name, info in sorted(plugins.items()) if isinstance(plugins, dict) else ():
+        if not isinstance(info, dict):
+            continue
+        distribution, saved = info.get("distribution"), info.get("version")
+        if not isinstance(distribution, str) or distribution == "nvtrain":
+            continue
+        running = installed_version(distribution)
+        if running != saved:
+            differences.append(f"plugin {name!r} ({distribution}) {saved} -> {running or 'not installed'}")
+    return differences

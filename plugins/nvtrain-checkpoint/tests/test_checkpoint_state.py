@@ -1,0 +1,124 @@
+"""The core's in-memory training state (nvtrain.state) and the strategy's state / restore methods."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from nvtrain_checkpoint import CheckpointHook, snapshot
+
+import nvtrain
+import nvtrain.state
+from nvtrain.state import (
+    apply_rng_state,
+    capture_rng_state,
+    checkpointable_hooks,
+    find_checkpoint_reader,
+    unwrap_model,
+)
+
+
+def test_wrappers_are_unwrapped() -> None:
+    model = torch.nn.Linear(2, 2)
+    assert unwrap_model(torch.nn.DataParallel(model)) is model
+    assert unwrap_model(model) is model
+
+
+class _Stateful:
+    def __init__(self, name: str | None = None) -> None:
+        if name is not None:
+            self.plugin_name = name
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_hook_keys_are_plugin_name_or_class_and_an_index() -> None:
+    a, b, c, d = _Stateful("ema"), _Stateful("ema"), _Stateful(), object()
+    assert checkpointable_hooks([a, d, b, c]) == {"ema:0": a, "ema:1": b, "_Stateful:0": c}
+
+
+def test_rng_states_round_trip() -> None:
+    numpy = pytest.importorskip("numpy")
+    generator = torch.Generator().manual_seed(5)
+    loader = torch.utils.data.DataLoader(list(range(8)), shuffle=True, generator=generator)
+    state = snapshot(capture_rng_state(loader))
+    expected = (random.random(), numpy.random.rand(), torch.rand(3), torch.rand(2, generator=generator))
+    random.random(), numpy.random.rand(), torch.rand(5), torch.rand(4, generator=generator)  # move them all on
+    apply_rng_state(state, loader)
+    again = (random.random(), numpy.random.rand(), torch.rand(3), torch.rand(2, generator=generator))
+    assert expected[:2] == again[:2]
+    assert torch.equal(expected[2], again[2]) and torch.equal(expected[3], again[3])
+
+
+class _GrabState:
+    """Copies ``strategy.state_dict()`` at AFTER_BATCH of one step (what a checkpoint would hold)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.state: dict[str, Any] | None = None
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.step_count == self.step and self.state is None:
+            self.state = snapshot(ctx.strategy.state_dict())  # type: ignore[union-attr]
+
+
+def test_state_dict_and_load_state_dict_resume_in_memory(driver: ModuleType) -> None:
+    grab = _GrabState(6)
+    reference = driver.straight("plain", [grab])
+    assert grab.state is not None and set(grab.state) >= {"models", "optimizers", "rng", "scheduler", "counters"}
+    recorder = driver.LossRecorder()
+    strategy = nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", [recorder]))
+    strategy.load_state_dict(grab.state)  # not set up yet: applied when the run starts
+    strategy.run(driver.make_loader("plain"))
+    assert recorder.losses[0][0] == 7
+    driver.assert_same(reference["params"], driver.summary(strategy, recorder)["params"])
+    driver.assert_same(reference["optimizer"], driver.summary(strategy, recorder)["optimizer"])
+
+
+def test_restore_of_a_set_up_strategy_applies_the_weights_now(driver: ModuleType, tmp_path: Path) -> None:
+    reference = driver.straight("plain", [CheckpointHook(tmp_path)])
+    strategy = nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", []))
+    strategy.train_batch(next(iter(driver.make_loader("plain"))))
+    strategy.restore(tmp_path)  # the root: its latest checkpoint (step 18)
+    assert strategy.ctx.step_count == 18
+    driver.assert_same(reference["params"], {k: v for k, v in strategy.ctx.models["main"].state_dict().items()})
+
+
+def test_the_reader_comes_from_a_hook_before_the_entry_point(tmp_path: Path) -> None:
+    hook = CheckpointHook(tmp_path)
+    assert find_checkpoint_reader([object(), hook]) == hook.read_checkpoint
+    import nvtrain_checkpoint
+
+    assert find_checkpoint_reader([]) is nvtrain_checkpoint.read_checkpoint
+
+
+def test_without_the_distribution_restore_names_it(monkeypatch: pytest.MonkeyPatch, driver: ModuleType) -> None:
+    monkeypatch.setattr(nvtrain.state.importlib.metadata, "entry_points", lambda **kwargs: [])
+    strategy = nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", []))
+    with pytest.raises(ImportError, match=r"needs the nvtrain-checkpoint distribution \(pip install nvtrain-checkpoint\)"):
+        strategy.restore("anywhere")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_and_generators_are_saved_on_the_host() -> None:
+    live = {"weight": torch.randn(4, 4, device="cuda")}
+    copied = snapshot(live)
+    assert copied["weight"].device.type == "cpu" and torch.equal(copied["weight"], live["weight"].cpu())
+    live["weight"].add_(1)  # the snapshot does not follow the live tensor
+    assert not torch.equal(copied["weight"], live["weight"].cpu())
+    state = snapshot(capture_rng_state())
+    assert len(state["cuda"]) == torch.cuda.device_count()
+    expected = torch.rand(3, device="cuda")
+    torch.rand(5, device="cuda")
+    apply_rng_state(state)
+    assert torch.equal(torch.rand(3, device="cuda"), expected)

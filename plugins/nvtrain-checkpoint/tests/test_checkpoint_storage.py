@@ -1,0 +1,232 @@
+"""The on-disk format: layout, the latest pointer, retention, and refusing bad files with a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from nvtrain_checkpoint import (
+    CheckpointError,
+    CheckpointVersionWarning,
+    latest_checkpoint,
+    list_checkpoints,
+    read_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
+from nvtrain_checkpoint.storage import MANIFEST_NAME, STATE_NAME, apply_retention, write_latest
+
+import nvtrain
+
+
+def _state(step: int = 1) -> dict[str, Any]:
+    """A minimal valid training state."""
+    return {
+        "format": 1,
+        "models": {"main": {"weight": torch.full((2, 3), float(step))}},
+        "optimizers": {},
+        "lr_schedulers": {},
+        "counters": {"step_count": step, "global_step_count": step, "batch_count": step, "epoch": 0,
+                     "epoch_step_count": step},
+        "scheduler": None,
+        "hooks": {},
+        "rng": {"python": (3, tuple(range(625)), None), "torch": torch.get_rng_state()},
+    }
+
+
+def _save(root: Path, step: int, keep_last_n: int | None = None, **metadata: Any) -> Path:
+    return save_checkpoint(root, step, _state(step), {"nvtrain_version": nvtrain.__version__, **metadata}, keep_last_n)
+
+
+# -- layout ----------------------------------------------------------------------------------------
+
+
+def test_layout_manifest_and_latest(tmp_path: Path) -> None:
+    path = _save(tmp_path, 7, epoch=2, plugins={})
+    assert path == tmp_path / "step_7"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_7"]
+    assert sorted(p.name for p in path.iterdir()) == [MANIFEST_NAME, STATE_NAME]
+    assert (tmp_path / "latest").read_text() == "step_7\n"
+    manifest = read_manifest(path)
+    assert manifest["format_version"] == 1 and manifest["step"] == 7 and manifest["epoch"] == 2
+    assert manifest["files"][STATE_NAME]["size"] == (path / STATE_NAME).stat().st_size
+    assert len(manifest["files"][STATE_NAME]["sha256"]) == 64
+    state = read_checkpoint(tmp_path)  # a root resolves to what latest names
+    assert torch.equal(state["models"]["main"]["weight"], torch.full((2, 3), 7.0))
+
+
+def test_a_same_numbered_checkpoint_is_replaced_whole(tmp_path: Path) -> None:
+    _save(tmp_path, 3)
+    save_checkpoint(tmp_path, 3, {**_state(3), "models": {"main": {"weight": torch.zeros(1)}}}, {})
+    assert torch.equal(read_checkpoint(tmp_path / "step_3")["models"]["main"]["weight"], torch.zeros(1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_3"]
+
+
+def test_leftovers_of_interrupted_saves_are_ignored_then_removed(tmp_path: Path) -> None:
+    _save(tmp_path, 1)
+    (tmp_path / ".tmp-step_2-dead").mkdir()
+    (tmp_path / ".tmp-step_2-dead" / STATE_NAME).write_bytes(b"half")
+    (tmp_path / ".trash-step_0-dead").mkdir()
+    (tmp_path / ".tmp-latest-dead").write_text("step_2")
+    assert [info.step for info in list_checkpoints(tmp_path)] == [1]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_1"
+    _save(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1", "step_3"]
+
+
+def test_a_stale_latest_pointer_falls_back_to_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    write_latest(tmp_path, "step_9")  # names nothing complete
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_2"
+    (tmp_path / "latest").write_text("../elsewhere\n")  # never followed outside the root
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_2"
+
+
+# -- retention -----------------------------------------------------------------------------------
+
+
+def test_keep_last_n_keeps_the_newest_complete_ones(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        _save(tmp_path, step, keep_last_n=2)
+    assert [info.step for info in list_checkpoints(tmp_path)] == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_4", "step_5"]
+
+
+def test_retention_counts_only_complete_checkpoints_and_spares_latest(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    (tmp_path / "step_8").mkdir()  # no manifest: not a checkpoint, not counted
+    (tmp_path / ".tmp-step_9-x").mkdir()
+    write_latest(tmp_path, "step_1")
+    removed = apply_retention(tmp_path, 1)
+    assert removed == [tmp_path / "step_2"]
+    assert [info.step for info in list_checkpoints(tmp_path)] == [1, 3]
+    assert (tmp_path / "step_8").is_dir()
+
+
+# -- refusing what is not a complete, intact nvtrain checkpoint ---------------------------------
+
+
+def test_truncated_state_file_is_refused_before_loading(tmp_path: Path) -> None:
+    path = _save(tmp_path, 1)
+    data = (path / STATE_NAME).read_bytes()
+    (path / STATE_NAME).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"{STATE_NAME} is {len(data) // 2} bytes .* truncated"):
+        read_checkpoint(path)
+
+
+def test_corrupt_state_file_is_refused(tmp_path: Path) -> None:
+    path = _save(tmp_path, 1)
+    data = bytearray((path / STATE_NAME).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / STATE_NAME).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{STATE_NAME} does not match the sha256 .*corrupt"):
+        read_checkpoint(path)
+
+
+class _Payload:
+    """Pickles to a call of os.system: what a malicious checkpoint would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _forge(directory: Path, payload: Any) -> None:
+    """A checkpoint directory whose manifest matches its (hostile) state file."""
+    import hashlib
+
+    directory.mkdir()
+    torch.save(payload, directory / STATE_NAME)
+    data = (directory / STATE_NAME).read_bytes()
+    manifest = {"format_version": 1, "step": 1,
+                "files": {STATE_NAME: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def test_a_pickle_payload_is_refused_and_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    _forge(tmp_path / "step_1", {"format": 1, "evil": _Payload(marker)})
+    with pytest.raises(CheckpointError, match=r"state.pt was refused by torch.load\(weights_only=True\)") as info:
+        read_checkpoint(tmp_path / "step_1")
+    assert "system" in str(info.value)  # names what was refused
+    assert not marker.exists()
+
+
+def test_a_foreign_state_file_is_refused(tmp_path: Path) -> None:
+    _forge(tmp_path / "step_1", {"weights": torch.zeros(2)})  # a loadable torch file, but not a training state
+    with pytest.raises(CheckpointError, match=r"state.pt: training state format None is not supported"):
+        read_checkpoint(tmp_path / "step_1")
+
+
+def test_a_state_file_that_is_not_a_torch_file_is_refused(tmp_path: Path) -> None:
+    _forge(tmp_path / "step_1", None)
+    (tmp_path / "step_1" / STATE_NAME).write_bytes(b"not a zip")
+    manifest = json.loads((tmp_path / "step_1" / MANIFEST_NAME).read_text())
+    import hashlib
+
+    manifest["files"][STATE_NAME] = {"size": 9, "sha256": hashlib.sha256(b"not a zip").hexdigest()}
+    (tmp_path / "step_1" / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"state.pt is not a readable torch file \(torch.save's zip format"):
+        read_checkpoint(tmp_path / "step_1")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", r"manifest.json is not a valid manifest \(not JSON"),
+        ('{"hello": 1}', r"manifest.json is not an nvtrain checkpoint manifest"),
+        ('{"format_version": 99}', r"checkpoint format 99 is not supported"),
+        ('{"format_version": 1, "files": {}}', r"does not list state.pt with its size and sha256"),
+    ],
+)
+def test_bad_manifests_are_refused(tmp_path: Path, content: str, message: str) -> None:
+    path = _save(tmp_path, 1)
+    (path / MANIFEST_NAME).write_text(content)
+    with pytest.raises(CheckpointError, match=message):
+        read_checkpoint(path)
+
+
+def test_paths_that_are_not_complete_checkpoints_are_named(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_checkpoint(tmp_path / "nowhere")
+    torch.save({"weight": torch.zeros(1)}, tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match=r"model.pt is a file: an nvtrain checkpoint is a directory"):
+        read_checkpoint(tmp_path / "model.pt")
+    (tmp_path / "step_4").mkdir()
+    with pytest.raises(CheckpointError, match=r"step_4 has no manifest.json"):
+        read_checkpoint(tmp_path / "step_4")
+    (tmp_path / ".tmp-step_5-x").mkdir()
+    with pytest.raises(CheckpointError, match=r"unfinished save"):
+        read_checkpoint(tmp_path / ".tmp-step_5-x")
+    with pytest.raises(CheckpointError, match=r"holds no complete checkpoint"):
+        read_checkpoint(tmp_path)
+
+
+# -- versions --------------------------------------------------------------------------------------
+
+
+def test_different_plugin_versions_are_listed_in_a_warning(tmp_path: Path) -> None:
+    plugins = {
+        "checkpoint": {"distribution": "nvtrain-checkpoint", "version": "0.0.1"},
+        "gone": {"distribution": "nvtrain-not-installed-anywhere", "version": "1.0"},
+    }
+    path = _save(tmp_path, 1, plugins=plugins)
+    with pytest.warns(CheckpointVersionWarning) as record:
+        read_checkpoint(path)
+    message = str(record[0].message)
+    assert "plugin 'checkpoint' (nvtrain-checkpoint) 0.0.1 -> 0.1.0" in message
+    assert "plugin 'gone' (nvtrain-not-installed-anywhere) 1.0 -> not installed" in message
+
+
+def test_matching_versions_do_not_warn(tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+    path = _save(tmp_path, 1, plugins={"checkpoint": {"distribution": "nvtrain-checkpoint", "version": "0.1.0"}})
+    read_checkpoint(path)
+    assert not [w for w in recwarn if issubclass(w.category, CheckpointVersionWarning)]

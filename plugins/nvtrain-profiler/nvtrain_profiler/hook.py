@@ -1,0 +1,174 @@
+"""TorchProfilerHook: torch.profiler over a training run, Chrome traces per rank."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import torch
+from torch.profiler import ProfilerAction, ProfilerActivity
+
+import nvtrain
+
+__all__ = ["TorchProfilerHook"]
+
+_ACTIVITY_NAMES = {name.lower(): activity for name, activity in ProfilerActivity.__members__.items()}
+
+
+def _as_activities(value: Any) -> tuple[ProfilerActivity, ...] | None:
+    """Accept ProfilerActivity members or their names ("cpu", "cuda"), as configs spell them."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (str, ProfilerActivity)) else value
+    if not isinstance(items, Iterable):
+        raise TypeError(f"TorchProfilerHook.activities must be ProfilerActivity values or None (got {value!r})")
+    activities = []
+    for item in items:
+        if isinstance(item, str):
+            if item.lower() not in _ACTIVITY_NAMES:
+                names = ", ".join(sorted(_ACTIVITY_NAMES))
+                raise ValueError(f"TorchProfilerHook.activities: unknown activity name {item!r} (known: {names})")
+            item = _ACTIVITY_NAMES[item.lower()]
+        if not isinstance(item, ProfilerActivity):
+            raise TypeError(
+                f"TorchProfilerHook.activities must hold torch.profiler.ProfilerActivity values or their names "
+                f"(got {item!r})"
+            )
+        if item not in activities:
+            activities.append(item)
+    if not activities:
+        raise ValueError("TorchProfilerHook.activities is empty: give at least one activity, or None for the default")
+    return tuple(activities)
+
+
+def _schedule(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(
+            "TorchProfilerHook.schedule must be a callable step -> ProfilerAction, e.g. "
+            f"torch.profiler.schedule(wait=1, warmup=1, active=3), or None (got {value!r})"
+        )
+
+
+def _bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"TorchProfilerHook.{attribute.name} must be True or False (got {value!r})")
+
+
+def _int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"TorchProfilerHook.{attribute.name} must be an int (got {value!r})")
+
+
+@attrs.define(eq=False)
+class TorchProfilerHook:
+    """Profiles training with ``torch.profiler`` and writes Chrome traces.
+
+    The profiler starts at BEFORE_TRAINING (lazily at the first BEFORE_BATCH for
+    standalone ``train_batch()`` calls), advances its ``schedule`` at every
+    AFTER_BATCH (one profiler step per micro-batch) and is finalised at
+    AFTER_TRAINING, or when the strategy's context exits (also after an
+    exception). Each trace is a ``*.pt.trace.json`` file under
+    ``output_dir/rank_<global rank>/torch/``, written under a temporary name and
+    renamed when complete; TensorBoard's profiler plugin and chrome://tracing read it.
+
+    With ``schedule=None`` every micro-batch from start to finish is recorded and
+    one trace is written at the end: fine for a few steps, large and slow for
+    long runs. Use ``torch.profiler.schedule(wait=..., warmup=..., active=..., repeat=...)``
+    to record a window (one trace per active cycle).
+    """
+
+    plugin_name: ClassVar[str] = "profiler"
+
+    #: Root folder of the traces; each rank writes to ``rank_<global rank>/torch/`` below it.
+    output_dir: Path = attrs.field(default=Path("profiles"), converter=Path)
+    #: What to trace; None is torch.profiler's default (CPU, plus CUDA when available).
+    activities: tuple[ProfilerActivity, ...] | None = attrs.field(default=None, converter=_as_activities)
+    #: ``step -> ProfilerAction`` (``torch.profiler.schedule(...)``); None records everything.
+    schedule: Callable[[int], ProfilerAction] | None = attrs.field(default=None, validator=_schedule)
+    record_shapes: bool = attrs.field(default=False, validator=_bool)
+    profile_memory: bool = attrs.field(default=False, validator=_bool)
+    with_flops: bool = attrs.field(default=False, validator=_bool)
+    priority: int = attrs.field(default=50, validator=_int)
+
+    #: Trace files written so far, in order.
+    traces: list[Path] = attrs.field(init=False, factory=list, repr=False)
+    _session: contextlib.ExitStack | None = attrs.field(init=False, default=None, repr=False)
+    _profiler: torch.profiler.profile | None = attrs.field(init=False, default=None, repr=False)
+
+    @property
+    def running(self) -> bool:
+        """Whether a profiling session is open."""
+        return self._session is not None
+
+    def trace_dir(self, rank: int) -> Path:
+        """Where the traces of global rank ``rank`` go."""
+        return self.output_dir / f"rank_{rank}" / "torch"
+
+    # -- stages ----------------------------------------------------------------------------
+
+    @nvtrain.hookimpl
+    def before_training(self, ctx: nvtrain.TrainingContext) -> None:
+        """Start profiling the run."""
+        self._start(ctx.rank)
+
+    @nvtrain.hookimpl
+    def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        """Start lazily for ``train_batch()`` used without ``run()``."""
+        if self._session is None:
+            self._start(ctx.rank)
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        """One profiler step per micro-batch: the schedule counts these."""
+        if self._profiler is not None:
+            self._profiler.step()
+
+    @nvtrain.hookimpl
+    def after_training(self, ctx: nvtrain.TrainingContext) -> None:
+        """Finish the session and write the last trace."""
+        self.close()
+
+    def close(self) -> None:
+        """Finish an open session (the strategy calls this on exit, also after an exception)."""
+        session, self._session, self._profiler = self._session, None, None
+        if session is not None:
+            session.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _start(self, rank: int) -> None:
+        if self._session is not None:
+            return
+        trace_dir = self.trace_dir(rank)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        profiler = torch.profiler.profile(
+            activities=self.activities,
+            schedule=self.schedule,
+            on_trace_ready=self._writer(trace_dir, rank),
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_flops=self.with_flops,
+        )
+        session = contextlib.ExitStack()
+        session.enter_context(profiler)
+        self._session, self._profiler = session, profiler
+
+    def _writer(self, trace_dir: Path, rank: int) -> Callable[[torch.profiler.profile], None]:
+        """``on_trace_ready``: export under a temporary name, then publish it with one rename."""
+
+        def write(profiler: torch.profiler.profile) -> None:
+            final = trace_dir / f"rank_{rank}.{time.time_ns()}.pt.trace.json"
+            partial = final.with_name(final.name + ".partial")
+            try:
+                profiler.export_chrome_trace(str(partial))
+                os.replace(partial, final)
+            finally:
+                partial.unlink(missing_ok=True)
+            self.traces.append(final)
+
+        return write

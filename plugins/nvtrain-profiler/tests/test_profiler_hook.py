@@ -1,0 +1,157 @@
+"""TorchProfilerHook: Chrome traces of a CPU run, per-rank folders, finalised on every exit path."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from nvtrain_profiler import TorchProfilerHook
+from torch.profiler import ProfilerActivity
+
+import nvtrain
+
+
+def make_strategy(hooks: list[object], **kwargs: Any) -> nvtrain.TrainingStrategy:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    return nvtrain.TrainingStrategy(
+        models=model,
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=torch.nn.functional.mse_loss,
+        hooks=hooks,
+        device="cpu",
+        **kwargs,
+    )
+
+
+def make_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(n)]
+
+
+def event_names(trace: Path) -> set[str]:
+    data = json.loads(trace.read_text())
+    return {event.get("name", "") for event in data["traceEvents"]}
+
+
+def trace_files(root: Path, rank: int = 0) -> list[Path]:
+    return sorted((root / f"rank_{rank}" / "torch").iterdir())
+
+
+def test_cpu_run_writes_a_chrome_trace_naming_the_models_ops(tmp_path: Path) -> None:
+    profiler = TorchProfilerHook(output_dir=tmp_path, activities=(ProfilerActivity.CPU,))
+    with make_strategy([profiler]) as strategy:
+        strategy.run(make_batches(3))
+        assert not profiler.running  # finalised at AFTER_TRAINING
+    files = trace_files(tmp_path)
+    assert files == profiler.traces
+    assert len(files) == 1 and files[0].name.endswith(".pt.trace.json")
+    names = event_names(files[0])
+    assert "aten::addmm" in names  # the Linear layers' forward
+    assert "aten::relu" in names
+    assert any(name.startswith("Optimizer.step#SGD") for name in names)
+
+
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events at the end of each cycle")
+def test_schedule_writes_one_trace_per_active_cycle(tmp_path: Path) -> None:
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=2)
+    profiler = TorchProfilerHook(output_dir=tmp_path, activities=["cpu"], schedule=schedule)
+    with make_strategy([profiler]) as strategy:
+        strategy.run(make_batches(9))
+    files = trace_files(tmp_path)
+    assert len(files) == 2
+    for trace in files:
+        steps = {name for name in event_names(trace) if name.startswith("ProfilerStep#")}
+        assert len(steps) == 2
+
+
+def test_profiler_is_finalised_after_an_exception(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def failing_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom in loss")
+        return torch.nn.functional.mse_loss(outputs, targets)
+
+    profiler = TorchProfilerHook(output_dir=tmp_path, activities=(ProfilerActivity.CPU,))
+    torch.manual_seed(0)
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(4, 1),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=failing_loss,
+        hooks=[profiler],
+        device="cpu",
+    )
+    with pytest.raises(RuntimeError, match="boom in loss"), strategy:
+        strategy.run(make_batches(5))
+    assert not profiler.running
+    assert not torch.autograd._profiler_enabled()
+    files = trace_files(tmp_path)
+    assert len(files) == 1
+    assert "aten::addmm" in event_names(files[0])
+
+
+def test_standalone_train_batch_starts_lazily_and_closes_with_the_strategy(tmp_path: Path) -> None:
+    profiler = TorchProfilerHook(output_dir=tmp_path, activities=(ProfilerActivity.CPU,))
+    with make_strategy([profiler]) as strategy:
+        assert not profiler.running
+        for batch in make_batches(2):
+            strategy.train_batch(batch)
+        assert profiler.running
+        assert trace_files(tmp_path) == []
+    assert not profiler.running
+    assert len(trace_files(tmp_path)) == 1
+
+
+def test_traces_go_to_the_global_rank_folder(tmp_path: Path) -> None:
+    profiler = TorchProfilerHook(output_dir=tmp_path, activities=(ProfilerActivity.CPU,))
+    strategy = make_strategy([profiler])
+    strategy.ctx.rank = 3
+    with strategy:
+        strategy.run(make_batches(1))
+    assert len(trace_files(tmp_path, rank=3)) == 1
+    assert not (tmp_path / "rank_0").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"activities": ["gpu"]}, ValueError, r"TorchProfilerHook\.activities: unknown activity name 'gpu' \(known: "),
+        ({"activities": [3]}, TypeError, r"TorchProfilerHook\.activities must hold .* \(got 3\)"),
+        ({"activities": ()}, ValueError, r"TorchProfilerHook\.activities is empty"),
+        ({"schedule": 3}, TypeError, r"TorchProfilerHook\.schedule must be a callable .* \(got 3\)"),
+        ({"record_shapes": "yes"}, TypeError, r"TorchProfilerHook\.record_shapes must be True or False"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        TorchProfilerHook(**kwargs)
+
+
+def test_settings_and_metadata() -> None:
+    import nvtrain_profiler
+
+    hook = TorchProfilerHook(output_dir="runs/p", activities=("CPU", ProfilerActivity.CPU))
+    assert hook.output_dir == Path("runs/p")
+    assert hook.activities == (ProfilerActivity.CPU,)
+    assert hook.trace_dir(2) == Path("runs/p/rank_2/torch")
+    assert nvtrain_profiler.__nvtrain_hooks__ == (TorchProfilerHook,)
+    assert TorchProfilerHook.plugin_name == "profiler"
+
+
+def test_discovered_through_its_entry_point() -> None:
+    import nvtrain.plugins
+
+    nvtrain.plugins.refresh()
+    info = {plugin.name: plugin for plugin in nvtrain.plugins.available()}["profiler"]
+    assert info.status is nvtrain.plugins.PluginStatus.OK, info.error
+    assert info.distribution == "nvtrain-profiler"
+    assert [hook.name for hook in info.hooks] == ["TorchProfilerHook"]
+    hook = nvtrain.plugins.load("profiler", output_dir="runs/p")
+    assert isinstance(hook, TorchProfilerHook)
+    assert hook.output_dir == Path("runs/p")

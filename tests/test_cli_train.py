@@ -1,0 +1,239 @@
+"""`nvtrain train` / `nvtrain validate` end to end: files, overrides, one-line errors, preemption and resume."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from nvtrain.app import EXIT_PREEMPTED, EXIT_USAGE
+from nvtrain.cli import main
+from nvtrain.config import dump_config, load_config
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SUBPROCESS_TIMEOUT = 240
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="", encoding="utf-8") as file:
+        return list(csv.DictReader(file))
+
+
+def nvtrain(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    """``python -m nvtrain ARGS`` in ``cwd`` (stdout and stderr captured)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("NVTRAIN_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "nvtrain", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+# -- the built-in job -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_train_end_to_end(tmp_path: Path) -> None:
+    process = nvtrain(
+        "train", "--set", "trainer.max_steps=60", "--set", f"output_dir={tmp_path / 'out'}", cwd=tmp_path
+    )
+    out, err = process.communicate(timeout=SUBPROCESS_TIMEOUT)
+    assert process.returncode == 0, err
+    run = tmp_path / "out" / "digits"
+    assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["max_steps"] == 60
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_60"
+    assert (run / "curves.png").read_bytes()[:8] == PNG_MAGIC
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    metrics = rows(run / "metrics.csv")
+    train_rows = [r for r in metrics if r["train_loss"]]
+    assert [int(r["step"]) for r in train_rows] == list(range(10, 61, 10))
+    assert float(train_rows[-1]["train_loss"]) < float(train_rows[0]["train_loss"])
+    accuracy = [float(r["val_accuracy"]) for r in metrics if r["val_accuracy"]]
+    assert len(accuracy) == 3 and accuracy[-1] > 0.2  # chance is 0.1
+    assert out.startswith(f"run {run} | step 60 | ")
+    assert "Traceback" not in err
+
+
+def test_print_config_prints_the_resolved_builtin_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--print-config", "--set", "trainer.max_steps=200"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == dump_config(load_config(None, ["trainer.max_steps=200"]).config)
+    assert yaml.safe_load(printed)["trainer"]["max_steps"] == 200
+
+
+# -- a user's config --------------------------------------------------------------------------------
+
+
+USER_MODULE = """\
+import json, pathlib, torch
+
+def build(width=8, marker="built.json"):
+    pathlib.Path(marker).write_text(json.dumps({"width": width}))
+    return torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, 10))
+"""
+
+
+def user_config(tmp_path: Path, module: str) -> Path:
+    write(tmp_path / f"{module}.py", USER_MODULE)
+    return write(
+        tmp_path / "user.yaml",
+        f"""\
+        output_dir: {tmp_path / 'out'}
+        model:
+          factory: {module}:build
+          kwargs: {{width: 16, marker: {tmp_path / 'built.json'}}}
+        data:
+          factory: nvtrain.builtin.digits:make_loaders
+          kwargs: {{batch_size: 32}}
+        trainer: {{max_steps: 40}}
+        validation: {{metrics: [accuracy]}}
+        logging: {{log_every_n_steps: 5, tensorboard: false}}
+        hooks: [{{name: clip, max_norm: 1.0}}]
+        """,
+    )
+
+
+def test_user_config_with_a_model_factory_beside_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = user_config(tmp_path, "factory_for_user_config")
+    threads = torch.get_num_threads()
+    wanted = 1 if threads != 1 else 2
+    overrides = ["trainer.max_steps=12", "model.kwargs.width=24", f"cpu_threads={wanted}"]
+    try:
+        assert main(["train", str(config), *(arg for o in overrides for arg in ("--set", o))]) == 0
+        assert torch.get_num_threads() == wanted
+    finally:
+        torch.set_num_threads(threads)
+    assert (tmp_path / "built.json").read_text() == '{"width": 24}'  # the user's factory, with the override
+    run = tmp_path / "out" / "user"
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert resolved["model"]["factory"] == "factory_for_user_config:build"
+    assert resolved["trainer"]["max_steps"] == 12 and resolved["model"]["kwargs"]["width"] == 24
+    metrics = rows(run / "metrics.csv")
+    assert [r["step"] for r in metrics if r["train_loss"]] == ["5", "10"]
+    assert metrics[-1]["step"] == "12" and metrics[-1]["val_accuracy"]
+    assert all(r["grad_norm"] for r in metrics if r["train_loss"])  # the clipping hook's metric is logged
+    assert (run / "curves.png").read_bytes()[:8] == PNG_MAGIC
+    assert not (run / "checkpoints").exists()  # no checkpoint hook configured
+    assert capsys.readouterr().out.startswith(f"run {run} | step 12 | ")
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.max_step=3"], "trainer.max_step: unknown key 'max_step' in section 'trainer'; did you mean"),
+        (["hooks=[emma]"], "hooks[0].name: unknown hook 'emma'"),
+        (["model.kwargs.widht=3"], "factory_for_errors:build takes no argument 'widht'; did you mean 'width'?"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], overrides: list[str], message: str
+) -> None:
+    config = user_config(tmp_path, "factory_for_errors")
+    args = [item for override in overrides for item in ("--set", override)]
+    assert main(["train", str(config), *args]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"nvtrain train: error: --set {overrides[0]}: ")
+    assert message in captured.err and captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "built.json").exists()
+
+
+def test_validate_good_and_bad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = user_config(tmp_path, "factory_for_validate")
+    assert main(["validate", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{config}: valid (run directory {tmp_path / 'out' / 'user'}; hooks: GradientClippingHook")
+    write(tmp_path / "bad.yaml", config.read_text() + "colour: blue\n")
+    assert main(["validate", str(tmp_path / "bad.yaml")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == (
+        f"nvtrain validate: error: {tmp_path / 'bad.yaml'}:12:1: colour: unknown key 'colour' in the top level "
+        "(valid keys: name, output_dir, seed, device, cpu_threads, model, data, loss, optimizer, lr_scheduler, "
+        "trainer, validation, logging, hooks)\n"
+    )
+    assert not (tmp_path / "out").exists() and not (tmp_path / "built.json").exists()  # validating built no model
+
+
+# -- preemption ------------------------------------------------------------------------------------
+
+
+SLOW_MODULE = """\
+import time, torch
+
+class Slow(torch.nn.Module):
+    def __init__(self, delay):
+        super().__init__()
+        self.delay = delay
+        self.linear = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        time.sleep(self.delay)
+        return self.linear(x)
+
+def build(delay=0.0):
+    return Slow(delay)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_75_and_the_rerun_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # output_dir "runs" is relative: both runs must share it
+    write(tmp_path / "slow_model_for_preemption.py", SLOW_MODULE)
+    config = write(
+        tmp_path / "slow.yaml",
+        """\
+        model: {factory: slow_model_for_preemption:build, kwargs: {delay: 0.05}}
+        data: {factory: nvtrain.builtin.digits:make_loaders}
+        trainer: {max_steps: 1000, ckpt_every_steps: null, save_checkpoint_every_epoch: false}
+        validation: {every_n_epochs: null}
+        logging: {log_every_n_steps: 1, tensorboard: false, plot: false, progress_bar: false}
+        hooks: [{name: checkpoint, resume: auto}]
+        """,
+    )
+    run = tmp_path / "runs" / "slow"
+    process = nvtrain("train", str(config), cwd=tmp_path)
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+    try:
+        while not ((run / "metrics.csv").exists() and len(rows(run / "metrics.csv")) >= 3):
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=SUBPROCESS_TIMEOUT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == EXIT_PREEMPTED, err
+    assert "preemption signal received (SIGTERM)" in err
+    saved = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert saved >= 3
+    assert f"step {saved} |" in out and "preempted" in out
+
+    # The same command again (shorter, and fast): it continues from the checkpoint, not from step 0.
+    code = main(["train", str(config), "--set", f"trainer.max_steps={saved + 4}", "--set", "model.kwargs.delay=0.0"])
+    assert code == 0
+    assert f" | resumed at step {saved} | " in capsys.readouterr().out
+    steps = [int(r["step"]) for r in rows(run / "metrics.csv")]
+    assert steps == list(range(1, saved + 5))  # rows of the first run up to the checkpoint, then the resumed ones
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{saved + 4}"

@@ -1,0 +1,321 @@
+"""The run config: YAML -> attrs through cattrs, --set overrides, and located, one-line errors."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from nvtrain import config as cfg
+from nvtrain.app import prepare
+from nvtrain.builtin import default_config_text
+from nvtrain.config import ConfigError, load_config
+from nvtrain.step_scheduler import StepSchedulerConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+MINIMAL = """\
+model:
+  factory: nvtrain.builtin.digits:make_classifier
+data:
+  factory: nvtrain.builtin.digits:make_loaders
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def error_of(path: Path | None, *overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return info.value
+
+
+def prepare_error(path: Path | None, *overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        prepare(load_config(path, overrides), world_size=1)
+    return info.value
+
+
+# -- the built-in config ------------------------------------------------------------------------
+
+
+def test_builtin_config_is_the_digits_job() -> None:
+    loaded = load_config(None)
+    config = loaded.config
+    assert loaded.source == cfg.BUILTIN_SOURCE
+    assert config.name == "digits" and config.run_dir == Path("runs/digits")
+    assert config.model.factory == "nvtrain.builtin.digits:make_classifier"
+    assert config.data.kwargs["batch_size"] == 64
+    assert [h.name for h in config.hooks] == ["amp", "ema", "checkpoint"]
+    assert config.hooks[0].settings == {"precision": "auto"}
+    assert config.hooks[2].settings["resume"] == "auto"
+    assert isinstance(config.trainer, StepSchedulerConfig) and config.trainer.num_epochs == 15
+    assert config.validation.metrics == ("accuracy",)
+
+
+def test_examples_default_config_is_the_builtin_one() -> None:
+    assert (REPO / "examples" / "configs" / "default.yaml").read_text(encoding="utf-8") == default_config_text()
+
+
+def test_dumped_config_loads_back_equal(tmp_path: Path) -> None:
+    config = load_config(None).config
+    again = load_config(write(tmp_path, cfg.dump_config(config))).config
+    assert again == config
+
+
+def test_name_defaults_to_the_file_stem(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, MINIMAL, "my-job.yaml")).config.run_dir == Path("runs/my-job")
+
+
+def test_sections_left_out_take_their_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MINIMAL)).config
+    assert config.optimizer == cfg.OptimizerConfig()
+    assert config.trainer == StepSchedulerConfig()
+    assert config.hooks == () and config.lr_scheduler is None
+
+
+def test_exponent_without_dot_is_a_float(tmp_path: Path) -> None:
+    # YAML 1.1 would read 1e-3 as the string "1e-3" and hand it to the optimizer.
+    path = write(tmp_path, MINIMAL + "optimizer:\n  kwargs: {lr: 1e-3, eps: 5E-8}\n")
+    kwargs = load_config(path).config.optimizer.kwargs
+    assert kwargs == {"lr": 1e-3, "eps": 5e-8} and isinstance(kwargs["lr"], float)
+
+
+def test_hook_entries_are_names_or_mappings(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "hooks:\n  - amp\n  - {name: ema, decay: 0.9}\n")
+    hooks = load_config(path).config.hooks
+    assert hooks == (cfg.HookConfig("amp"), cfg.HookConfig("ema", {"decay": 0.9}))
+    assert cfg.converter().unstructure(hooks[1]) == {"name": "ema", "decay": 0.9}
+
+
+def test_preemption_signal_list_is_kept(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "trainer: {preemption_signal: [SIGTERM, SIGUSR1]}\n")
+    assert load_config(path).config.trainer.preemption_signal == ("SIGTERM", "SIGUSR1")
+
+
+# -- --set ---------------------------------------------------------------------------------------
+
+
+def test_set_overrides_fields_with_yaml_values(tmp_path: Path) -> None:
+    loaded = load_config(
+        write(tmp_path, MINIMAL + "hooks: [amp, {name: ema, decay: 0.9}]\n"),
+        [
+            "trainer.max_steps=200",
+            "trainer.num_epochs=null",
+            "hooks.ema.decay=0.5",
+            "hooks.0.precision=bf16",
+            "validation.metrics=[accuracy]",
+            "lr_scheduler.factory=torch.optim.lr_scheduler:StepLR",
+            "lr_scheduler.kwargs={step_size: 10}",
+            "name=override",
+        ],
+    )
+    config = loaded.config
+    assert config.trainer.max_steps == 200 and config.trainer.num_epochs is None
+    assert config.hooks[1].settings == {"decay": 0.5}
+    assert config.hooks[0].settings == {"precision": "bf16"}
+    assert config.validation.metrics == ("accuracy",)
+    assert config.lr_scheduler == cfg.LRSchedulerConfig("torch.optim.lr_scheduler:StepLR", {"step_size": 10})
+    assert config.name == "override"
+    assert loaded.locate(("trainer", "max_steps")) == "--set trainer.max_steps=200"
+
+
+def test_later_set_wins() -> None:
+    config = load_config(None, ["seed=1", "seed=7"]).config
+    assert config.seed == 7
+
+
+# -- errors: one line, the field, the place ------------------------------------------------------
+
+
+def test_unknown_key_names_line_and_closest_key(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "trainer:\n  max_step: 3\n")
+    err = error_of(path)
+    assert str(err) == (
+        f"{path}:6:3: trainer.max_step: unknown key 'max_step' in section 'trainer'; did you mean 'max_steps'?"
+    )
+    assert "\n" not in str(err)
+
+
+def test_unknown_top_level_key_lists_valid_keys(tmp_path: Path) -> None:
+    err = error_of(write(tmp_path, MINIMAL + "colour: blue\n"))
+    assert err.path == ("colour",) and "valid keys: name, output_dir" in str(err)
+    assert str(err).startswith(f"{tmp_path / 'run.yaml'}:5:1: colour: unknown key 'colour' in the top level")
+
+
+def test_typo_in_set_points_at_the_argument() -> None:
+    err = error_of(None, "trainer.max_stps=3")
+    assert str(err) == (
+        "--set trainer.max_stps=3: trainer.max_stps: unknown key 'max_stps' in section 'trainer'; "
+        "did you mean 'max_steps'?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "path", "message"),
+    [
+        ("trainer.max_steps=abc", ("trainer", "max_steps"), "expected an integer, got str 'abc'"),
+        ("seed=1.5", ("seed",), "expected an integer, got float 1.5"),
+        ("logging.csv=3", ("logging", "csv"), "expected true or false, got int 3"),
+        ("logging.tensorboard=maybe", ("logging", "tensorboard"), "expected one of true, false, 'auto', got str"),
+        ("trainer=3", ("trainer",), "expected a mapping (section StepSchedulerConfig), got int 3"),
+        ("hooks=amp", ("hooks",), "expected a list, got str 'amp'"),
+        ("validation.metrics=[accuracy, 3]", ("validation", "metrics", 1), "expected a string, got int 3"),
+        ("model.kwargs=[1]", ("model", "kwargs"), "expected a mapping of keyword arguments, got a list"),
+        ("trainer.max_steps=0", ("trainer", "max_steps"), "StepSchedulerConfig.max_steps must be an int >= 1"),
+        ("trainer.preemption_signal=SIGKILL", ("trainer", "preemption_signal"), "SIGKILL cannot be caught"),
+        ("logging.log_every_n_steps=0", ("logging", "log_every_n_steps"), "LoggingConfig.log_every_n_steps must be"),
+        ("name=a/b", ("name",), "RunConfig.name must be a plain directory name"),
+        ("device=gpu", ("device",), "RunConfig.device must be 'auto' or a torch device"),
+        ("model.factory=torch.nn.Linear", ("model", "factory"), "did you mean 'torch.nn:Linear'?"),
+        ("validation.metrics=[acurracy]", ("validation", "metrics"), "did you mean 'accuracy'?"),
+        ("hooks=[{decay: 1}]", ("hooks", 0, "name"), "a hook entry needs 'name' (got keys: decay)"),
+        ("hooks=[3]", ("hooks", 0), "expected a hook name or a mapping"),
+    ],
+)
+def test_value_errors_name_the_field(override: str, path: tuple[Any, ...], message: str) -> None:
+    err = error_of(None, override)
+    assert err.path == path
+    assert err.location == f"--set {override}"
+    assert message in str(err)
+    assert str(err).startswith(f"--set {override}: {cfg.format_path(path)}: ")
+
+
+def test_validator_error_is_located_at_the_key_line(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "logging:\n  csv: true\n  log_every_n_steps: 0\n")
+    err = error_of(path)
+    assert err.location == f"{path}:7:3" and err.path == ("logging", "log_every_n_steps")
+
+
+def test_missing_required_section(tmp_path: Path) -> None:
+    err = error_of(write(tmp_path, "data: {factory: nvtrain.builtin.digits:make_loaders}\n"))
+    assert "missing required key" in str(err) and "model" in str(err)
+
+
+def test_several_problems_report_the_first_and_count_the_rest(tmp_path: Path) -> None:
+    err = error_of(write(tmp_path, MINIMAL + "seed: x\ndevice: 3\n"))
+    assert err.path == ("seed",) and str(err).endswith("(and 1 more problem)")
+
+
+@pytest.mark.parametrize(
+    ("text", "location", "message"),
+    [
+        ("model: [1\n", ":2:1", "invalid YAML"),
+        (MINIMAL + "seed: 1\nseed: 2\n", ":6:1", "duplicate key 'seed' (first at"),
+        ("- a\n- b\n", "", "a config file holds a mapping of sections, got a list"),
+    ],
+)
+def test_malformed_files(tmp_path: Path, text: str, location: str, message: str) -> None:
+    path = write(tmp_path, text)
+    err = error_of(path)
+    assert err.location == f"{path}{location}" and message in str(err)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    err = error_of(tmp_path / "nope.yaml")
+    assert str(err) == f"{tmp_path / 'nope.yaml'}: no such config file"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer", "expected --set key.subkey=value"),
+        ("=3", "expected --set key.subkey=value"),
+        ("hooks.7.decay=1", "index 7 is out of range (the list has 3 items)"),
+        ("hooks.emma.decay=1", "no item named 'emma'; did you mean 'ema'?"),
+    ],
+)
+def test_malformed_set(override: str, message: str) -> None:
+    err = error_of(None, override)
+    assert err.location == f"--set {override}" and message in str(err)
+
+
+# -- errors found by prepare(): imports, signatures, hooks ---------------------------------------
+
+
+def test_unknown_hook_lists_plugins_and_suggests(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "hooks:\n  - emma\n")
+    err = prepare_error(path)
+    assert err.location == f"{path}:6:5" and err.path == ("hooks", 0, "name")
+    assert "unknown hook 'emma'; did you mean 'ema'?" in str(err)
+    assert re.search(r"installed plugins: amp, checkpoint, ddp, ema", str(err))
+    assert "built-in hooks:" in str(err) and "clip" in str(err)
+
+
+def test_unknown_hook_setting_points_at_the_setting(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "hooks:\n  - name: checkpoint\n    keep_lst: 2\n")
+    err = prepare_error(path)
+    assert err.location == f"{path}:7:5" and err.path == ("hooks", 0, "keep_lst")
+    assert "did you mean 'keep_last_n'?" in str(err)
+
+
+def test_hook_validator_error_points_at_the_setting() -> None:
+    err = prepare_error(None, "hooks.ema.decay=1.5")
+    assert err.path == ("hooks", 1, "decay") and "EMAHook.decay must be in [0.0, 1.0) (got 1.5)" in str(err)
+
+
+def test_model_kwarg_typo_is_caught_before_building() -> None:
+    err = prepare_error(None, "model.kwargs.hiden=3")
+    assert err.path == ("model", "kwargs", "hiden")
+    assert "nvtrain.builtin.digits:make_classifier takes no argument 'hiden'; did you mean 'hidden'?" in str(err)
+
+
+def test_unresolvable_import_path_suggests_the_name() -> None:
+    err = prepare_error(None, "optimizer.factory=torch.optim:AdamWW")
+    assert err.path == ("optimizer", "factory") and "did you mean 'AdamW'?" in str(err)
+
+
+def test_use_ema_without_an_ema_hook() -> None:
+    err = prepare_error(None, "hooks=[]", "validation.use_ema=true")
+    assert err.path == ("validation", "use_ema") and "no EMA hook is configured" in str(err)
+
+
+def test_scheduler_gets_the_step_count_when_it_takes_one() -> None:
+    plan = prepare(load_config(None), world_size=1)
+    assert plan.scheduler_total_steps == ("T_max",)
+    assert prepare(load_config(None, ["lr_scheduler.kwargs={T_max: 5}"]), world_size=1).scheduler_total_steps == ()
+
+
+def test_torchrun_launch_adds_the_ddp_plugin() -> None:
+    plan = prepare(load_config(None), world_size=2)
+    assert [getattr(h, "plugin_name", None) for h in plan.hooks].count("ddp") == 1
+
+
+def test_outputs_default_into_the_run_directory(tmp_path: Path) -> None:
+    plan = prepare(load_config(None, [f"output_dir={tmp_path}"]), world_size=1)
+    (checkpoint,) = [h for h in plan.hooks if getattr(h, "plugin_name", None) == "checkpoint"]
+    assert Path(checkpoint.checkpoint_dir) == tmp_path / "digits" / "checkpoints"
+    assert not (tmp_path / "digits").exists()  # checking writes nothing
+
+
+def test_import_paths_resolve_from_the_config_folder(tmp_path: Path) -> None:
+    (tmp_path / "local_thing.py").write_text("VALUE = 42\n", encoding="utf-8")
+    assert cfg.resolve_import_path("local_thing:VALUE", [tmp_path]) == 42
+    with pytest.raises(ImportError, match="cannot import module 'not_a_module_here'"):
+        cfg.resolve_import_path("not_a_module_here:x", [tmp_path])
+
+
+# -- the reference in docs/cli.md ----------------------------------------------------------------
+
+
+def test_docs_carry_the_generated_reference() -> None:
+    text = (REPO / "docs" / "cli.md").read_text(encoding="utf-8")
+    begin, end = "<!-- BEGIN CONFIG REFERENCE -->\n", "<!-- END CONFIG REFERENCE -->"
+    assert begin in text and end in text
+    block = text.split(begin, 1)[1].split(end, 1)[0]
+    assert block.strip() == cfg.reference_markdown().strip(), "regenerate with nvtrain.config.reference_markdown()"
+
+
+def test_every_field_has_help() -> None:
+    for section, cls in cfg.SECTIONS:
+        for field in attrs.fields(cls):
+            text = field.metadata.get("help") or (cfg.TRAINER_HELP.get(field.name) if section == "trainer" else None)
+            assert text, f"{cls.__name__}.{field.name} has no help text for docs/cli.md"

@@ -1,0 +1,266 @@
+"""ProgressBarHook, CSVLoggerHook, TensorBoardHook: what they write; tensors are read only on logging steps."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import io
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import nvtrain
+from nvtrain.logging_hooks import (
+    CSV_COLUMNS,
+    CSVLoggerHook,
+    ProgressBarHook,
+    TensorBoardHook,
+    estimate_total_steps,
+)
+from nvtrain.validation import ValidationConfig
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def batches(count: int, size: int = 4, seed: int = 0) -> list[Batch]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(size, 3, generator=generator), torch.randint(0, 2, (size,), generator=generator))
+        for _ in range(count)
+    ]
+
+
+class LossRecorder:
+    """Keeps every micro-batch loss (for the expected window means) and an optional metric."""
+
+    priority = 10
+
+    def __init__(self, metric_from_step: int | None = None) -> None:
+        self.losses: list[float] = []
+        self.metric_from_step = metric_from_step
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        self.losses.append(float(ctx.loss.detach()))
+        if self.metric_from_step is not None and ctx.step_count >= self.metric_from_step:
+            ctx.metrics["grad_norm"] = torch.tensor(float(ctx.step_count))
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs.argmax(-1) == targets).float().mean()
+
+
+def strategy(
+    hooks: list[object], *, max_steps: int | None, data: list[Batch] | None = None, **fields: Any
+) -> nvtrain.TrainingStrategy:
+    torch.manual_seed(0)
+    return nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(3, 2),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=torch.nn.functional.cross_entropy,
+        hooks=hooks,
+        device="cpu",
+        max_steps=max_steps,
+        validation=ValidationConfig(data=data, metrics={"accuracy": accuracy}) if data is not None else None,
+        **fields,
+    )
+
+
+def read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with path.open(newline="", encoding="utf-8") as file:
+        reader = csv.DictReader(file)
+        return list(reader.fieldnames or ()), list(reader)
+
+
+@pytest.fixture
+def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Names of tensor-to-host reads (tolist/item/float/bool) made from nvtrain.logging_hooks."""
+    calls: list[str] = []
+    for name in ("tolist", "item", "__float__", "__bool__", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self: torch.Tensor, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            if sys._getframe(1).f_globals.get("__name__") == "nvtrain.logging_hooks":
+                calls.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    yield calls
+
+
+# -- CSV --------------------------------------------------------------------------------------------
+
+
+def test_csv_rows_on_logging_steps_hold_window_means(tmp_path: Path) -> None:
+    recorder = LossRecorder()
+    path = tmp_path / "metrics.csv"
+    with strategy([recorder, CSVLoggerHook(path, log_every_n_steps=3)], max_steps=7) as s:
+        s.run(batches(10))
+    columns, rows = read_rows(path)
+    assert columns == list(CSV_COLUMNS)
+    assert [row["step"] for row in rows] == ["3", "6"]
+    for row, window in zip(rows, (recorder.losses[0:3], recorder.losses[3:6]), strict=True):
+        assert float(row["train_loss"]) == pytest.approx(sum(window) / 3, rel=1e-5)
+        assert float(row["lr"]) == pytest.approx(0.1)
+        assert float(row["step_time"]) > 0 and float(row["samples_per_s"]) > 0
+        assert row["epoch"] == "0" and row["val_loss"] == ""
+
+
+def test_loggers_read_to_host_only_on_logging_steps(tmp_path: Path, host_reads: list[str]) -> None:
+    hooks = [
+        CSVLoggerHook(tmp_path / "m.csv", log_every_n_steps=4),
+        ProgressBarHook(log_every_n_steps=4, stream=io.StringIO()),
+    ]
+    with strategy(hooks, max_steps=9) as s:
+        s.run(batches(9))
+    # Steps 4 and 8 are logging steps: one tolist() per logger each, nothing on the other seven steps.
+    assert host_reads == ["tolist"] * 4
+
+
+def test_validation_rows_and_new_metric_columns(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    hooks = [LossRecorder(metric_from_step=4), CSVLoggerHook(path, log_every_n_steps=2)]
+    with strategy(hooks, max_steps=6, data=batches(2, seed=5)) as s:
+        s.run(batches(3))  # epochs of 3 steps: validation after steps 3 and 6
+        summary = s.ctx.validation
+    columns, rows = read_rows(path)
+    assert columns == [*CSV_COLUMNS, "grad_norm"]  # the file was rewritten with the wider header
+    assert [(row["step"], bool(row["train_loss"]), bool(row["val_loss"])) for row in rows] == [
+        ("2", True, False), ("3", False, True), ("4", True, False), ("6", True, False), ("6", False, True)
+    ]
+    assert rows[0]["grad_norm"] == "" and rows[2]["grad_norm"] == "4"
+    assert float(rows[-1]["val_loss"]) == pytest.approx(float(summary["loss"]), rel=1e-5)
+    assert float(rows[-1]["val_accuracy"]) == pytest.approx(float(summary["accuracy"]), rel=1e-5)
+
+
+def test_resumed_run_drops_rows_after_its_start(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,epoch,train_loss\n2,0,1.0\n4,0,0.9\n6,0,0.8\n8,0,0.7\n", encoding="utf-8")
+    hook = CSVLoggerHook(path, log_every_n_steps=2)
+    ctx = nvtrain.TrainingContext(step_count=4)  # as after a resume at step 4
+    hook.before_training(ctx)
+    hook.before_epoch(ctx)
+    ctx.loss, ctx.batch, ctx.step_count = torch.tensor(0.5), batches(1)[0], 6
+    hook.after_batch(ctx)
+    hook.close()
+    _, rows = read_rows(path)
+    assert [(row["step"], row["train_loss"]) for row in rows] == [("2", "1.0"), ("4", "0.9"), ("6", "0.5")]
+
+
+def test_fresh_run_replaces_an_old_file(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,epoch,train_loss\n2,0,1.0\n4,0,0.9\n", encoding="utf-8")
+    with strategy([CSVLoggerHook(path, log_every_n_steps=2)], max_steps=2) as s:
+        s.run(batches(2))
+    _, rows = read_rows(path)
+    assert [row["step"] for row in rows] == ["2"] and rows[0]["train_loss"] != "1.0"
+
+
+def test_only_rank_zero_writes(tmp_path: Path) -> None:
+    hook = CSVLoggerHook(tmp_path / "metrics.csv", log_every_n_steps=1)
+    ctx = nvtrain.TrainingContext(rank=1, world_size=2)
+    hook.before_training(ctx)
+    hook.before_epoch(ctx)
+    ctx.loss, ctx.batch, ctx.step_count = torch.tensor(0.5), batches(1)[0], 1
+    hook.after_batch(ctx)
+    assert not (tmp_path / "metrics.csv").exists()
+
+
+@pytest.mark.parametrize("cls", [CSVLoggerHook, ProgressBarHook])
+def test_log_interval_is_validated(cls: type, tmp_path: Path) -> None:
+    args = (tmp_path / "m.csv",) if cls is CSVLoggerHook else ()
+    with pytest.raises(ValueError, match=rf"{cls.__name__}.log_every_n_steps must be an int >= 1 \(got 0\)"):
+        cls(*args, log_every_n_steps=0)
+
+
+# -- progress --------------------------------------------------------------------------------------
+
+
+def test_progress_lines_when_not_a_terminal() -> None:
+    stream = io.StringIO()
+    with strategy([ProgressBarHook(log_every_n_steps=2, stream=stream)], max_steps=4, data=batches(1, seed=3)) as s:
+        s.run(batches(4))
+    lines = stream.getvalue().splitlines()
+    assert [line.split("  ")[:2] for line in lines] == [
+        ["epoch 0", "step 2/4"], ["epoch 0", "step 4/4"], ["epoch 0", "step 4/4"]
+    ]
+    assert lines[0].split("  ")[2].startswith("loss ") and "samples_per_s" in lines[0]
+    assert "val_loss" in lines[2] and "val_accuracy" in lines[2]
+
+
+def test_progress_bar_with_tqdm() -> None:
+    stream = io.StringIO()
+    hook = ProgressBarHook(log_every_n_steps=2, stream=stream, use_bar=True, refresh_interval=1e-9)
+    with strategy([hook], max_steps=4) as s:
+        s.run(batches(4))
+    text = stream.getvalue()
+    assert "epoch 0" in text and "4/4" in text and "loss=" in text
+
+
+def test_progress_is_silent_off_rank_zero() -> None:
+    stream = io.StringIO()
+    hook = ProgressBarHook(log_every_n_steps=1, stream=stream)
+    ctx = nvtrain.TrainingContext(rank=1, world_size=2)
+    hook.before_training(ctx)
+    hook.before_epoch(ctx)
+    ctx.loss, ctx.batch, ctx.step_count = torch.tensor(0.5), batches(1)[0], 1
+    hook.after_batch(ctx)
+    assert stream.getvalue() == ""
+
+
+def test_total_steps_follow_the_scheduler() -> None:
+    seen: list[int | None] = []
+
+    class Probe:
+        @nvtrain.hookimpl
+        def before_epoch(self, ctx: nvtrain.TrainingContext) -> None:
+            seen.append(estimate_total_steps(ctx))
+
+    with strategy([Probe()], max_steps=None, num_epochs=2) as s:
+        s.run(batches(5))
+    assert seen == [10, 10]
+    with strategy([Probe()], max_steps=3) as s:
+        s.run(batches(5))
+    assert seen[-1] == 3
+
+
+# -- TensorBoard -----------------------------------------------------------------------------------
+
+
+def test_tensorboard_scalars(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with strategy([TensorBoardHook(tmp_path, log_every_n_steps=2)], max_steps=4, data=batches(1, seed=3)) as s:
+        s.run(batches(4))
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "perf/step_time", "perf/samples_per_s", "val/loss", "val/accuracy"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4]
+    assert [e.step for e in events.Scalars("val/accuracy")] == [4]
+
+
+def test_tensorboard_resume_purges_later_events(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def log(start: int, steps: list[int], loss: float) -> None:
+        hook = TensorBoardHook(tmp_path, log_every_n_steps=1)
+        ctx = nvtrain.TrainingContext(step_count=start)
+        hook.before_training(ctx)
+        hook.before_epoch(ctx)
+        for step in steps:
+            ctx.loss, ctx.batch, ctx.step_count = torch.tensor(loss), batches(1)[0], step
+            hook.after_batch(ctx)
+        hook.close()
+
+    log(0, [1, 2, 3, 4], loss=1.0)
+    log(2, [4, 6], loss=0.5)  # resumed from a checkpoint at step 2; steps 3 and 4 of the first run are void
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 1.0), (4, 0.5), (6, 0.5)]
