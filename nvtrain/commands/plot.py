@@ -1,7 +1,7 @@
 """Draw a run's curves again from its metrics file.
 
     nvtrain plot runs/digits                  # writes runs/digits/curves.png
-    nvtrain plot runs/digits -o /tmp/digits.png
+    nvtrain plot runs/digits -o digits.png
 
 RUN_DIR is a run directory (holding metrics.csv) or the path of a metrics CSV file.
 Exit status: 0 written; 2 no metrics file or nothing to plot.

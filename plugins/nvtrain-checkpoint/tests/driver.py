@@ -251,6 +251,14 @@ def _gloo_worker(rank: int, directory: str, port: int, out: str) -> None:
                 "rng_by_rank": len(state.get("rng_by_rank") or []),
                 "last_checkpoint_index": hook.last_checkpoint_index,
             }
+            # the same job started again with one more epoch: every rank resumes from step 18 and goes on
+            written.clear()
+            again = CheckpointHook(root, step_interval=3, rank_zero_only=rank_zero_only, resume="auto")
+            kwargs = strategy_kwargs("plain", [again])
+            kwargs["step_scheduler"] = StepSchedulerConfig(num_epochs=3, ckpt_every_steps=None)
+            with nvtrain.TrainingStrategy(**kwargs) as extended:
+                result = extended.run(make_loader("plain"))
+            report[mode]["extended"] = {"step_count": result.step_count, "written": list(written)}
             torch.distributed.barrier()
         Path(f"{out}.{rank}").write_text(json.dumps(report))
     finally:

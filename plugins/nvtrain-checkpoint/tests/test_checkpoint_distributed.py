@@ -27,16 +27,22 @@ def test_two_gloo_ranks(tmp_path: Path, run_driver: Callable[..., str]) -> None:
 
     shared = [report["shared"] for report in reports]
     assert shared[0]["written"] == every_third and shared[1]["written"] == []
-    assert {p.name for p in (tmp_path / "shared").iterdir()} == {"latest", *(f"step_{s}" for s in every_third)}
+    assert {p.name for p in (tmp_path / "shared").iterdir()} == {"latest", *(f"step_{s}" for s in [*every_third, 21, 24, 27])}
     for rank in (0, 1):
         assert shared[rank]["loaded_step"] == 18
         assert shared[rank]["rng_by_rank"] == 2
         assert shared[rank]["rng_restored"], f"rank {rank} did not get its own RNG state back"
     assert shared[0]["weights_equal"]  # rank 0's weights are the ones saved
     assert shared[0]["last_checkpoint_index"] == 18 and shared[1]["last_checkpoint_index"] is None
+    # started again with resume="auto" and one more epoch: both ranks continue from step 18
+    assert [s["extended"] for s in shared] == [
+        {"step_count": 27, "written": [21, 24, 27]},
+        {"step_count": 27, "written": []},
+    ]
 
     per_rank = [report["per_rank"] for report in reports]
     for rank in (0, 1):
         assert per_rank[rank]["written"] == every_third
         assert per_rank[rank]["loaded_step"] == 18 and per_rank[rank]["weights_equal"] and per_rank[rank]["rng_restored"]
         assert (tmp_path / "per_rank" / f"rank_{rank}" / "step_18" / "manifest.json").is_file()
+        assert per_rank[rank]["extended"] == {"step_count": 27, "written": [21, 24, 27]}

@@ -11,6 +11,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import nvtrain
 from nvtrain import TrainingStage
+from nvtrain.distributed import unwrap_model
 
 __all__ = ["EMAHook", "unwrap_model"]
 
@@ -39,19 +40,6 @@ def _non_empty_str(instance: Any, attribute: attrs.Attribute[Any], value: Any) -
 def _bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"EMAHook.{attribute.name} must be True or False (got {value!r})")
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose weights are averaged: the inside of a DDP or ``torch.compile`` wrapper."""
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-            continue
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if isinstance(inner, torch.nn.Module):
-            model = inner
-            continue
-        return model
 
 
 @attrs.define(eq=False)
