@@ -39,8 +39,10 @@ __all__ = [
     "capture_rng_state",
     "capture_state",
     "checkpointable_hooks",
+    "check_state",
     "find_checkpoint_reader",
     "load_state",
+    "strategy_hooks",
     "unwrap_model",
 ]
 
@@ -258,11 +260,21 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
 
 
 def apply_scheduler_state(strategy: TrainingStrategy, state: Mapping[str, Any]) -> None:
-    """Give the step scheduler of the current run its saved data position."""
-    saved = state.get("scheduler")
+    """Give the step scheduler of the current run its saved data position.
+
+    A state captured outside a run (standalone ``train_batch()``) has no scheduler
+    state; the scheduler then continues counting from the restored step and epoch.
+    """
     live = strategy.ctx.scheduler
-    if saved is None or live is None:
+    if live is None:
         return
+    saved = state.get("scheduler")
+    if saved is None:
+        if not callable(getattr(live, "state_dict", None)):
+            return
+        counters = state["counters"]
+        saved = {**live.state_dict(), "step": int(counters["step_count"]), "epoch": int(counters["epoch"]),
+                 "position": 0, "epoch_rng": None}
     load = getattr(live, "load_state_dict", None)
     if not callable(load):
         raise TypeError(f"the step scheduler {type(live).__qualname__} has no load_state_dict(); cannot resume")
@@ -311,6 +323,10 @@ class PendingRestore:
         self.source: str = "state"
         self.scheduler_only = False
 
+    def hold(self, state: Mapping[str, Any], source: str, *, scheduler_only: bool) -> None:
+        """Keep ``state`` (or only its data position) for the next BEFORE_TRAINING, replacing anything held."""
+        self.state, self.source, self.scheduler_only = state, source, scheduler_only
+
     @hookimpl(tryfirst=True)
     def before_training(self, ctx: Any) -> None:
         state, self.state = self.state, None
@@ -335,23 +351,21 @@ def load_state(strategy: TrainingStrategy, state: Mapping[str, Any], source: str
     """
     check_state(state, source)
     ctx = strategy.ctx
-    pending = _pending(strategy)
     in_run_start = ctx.stage == TrainingStage.BEFORE_TRAINING and ctx.scheduler is not None
     if not strategy._is_set_up:
-        pending.state, pending.source, pending.scheduler_only = state, source, False
+        _pending(strategy).hold(state, source, scheduler_only=False)
         return
     try:
         apply_state(strategy, state, scheduler=in_run_start)
     except Exception as err:
         err.add_note(f"while restoring {source}")
         raise
-    if in_run_start or state.get("scheduler") is None:
-        pending.state = None
-    else:
-        pending.state, pending.source, pending.scheduler_only = state, source, True
+    if not in_run_start:
+        _pending(strategy).hold(state, source, scheduler_only=True)
 
 
 def _pending(strategy: TrainingStrategy) -> PendingRestore:
+    """The strategy's holder of a state for the next run (registered on first use, never during a stage)."""
     for plugin in strategy.bus.plugins():
         if isinstance(plugin, PendingRestore):
             return plugin

@@ -16,10 +16,14 @@ from nvtrain.hooks.clipping import GradientClippingHook
 from nvtrain.hooks.finetune import ModulePatchHook, TrainableParameterHook
 from nvtrain.hooks.spike_skip import SpikeSkipHook
 from nvtrain.hooks.timing import StageTimingHook
+from nvtrain.logging_hooks import CSVLoggerHook, ProgressBarHook, TensorBoardHook
 
 __all__: list[str] = [
+    "CSVLoggerHook",
     "GradientAccumulationHook",
     "GradientClippingHook",
+    "ProgressBarHook",
+    "TensorBoardHook",
     "ModulePatchHook",
     "SpikeSkipHook",
     "StageTimingHook",
