@@ -101,6 +101,8 @@ class CheckpointHook:
     _writer: BackgroundWriter = attrs.field(init=False, factory=BackgroundWriter, repr=False)
     _saved_step: int | None = attrs.field(init=False, default=None, repr=False)
     _plugins: dict[str, dict[str, str]] | None = attrs.field(init=False, default=None, repr=False)
+    #: async_save: the snapshot last handed to the writer; the next one copies into its buffers.
+    _reusable: Any = attrs.field(init=False, default=None, repr=False)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -172,6 +174,7 @@ class CheckpointHook:
 
     def close(self) -> None:
         """Flush and stop the background thread (the strategy calls this on exit, also after an error)."""
+        self._reusable = None
         self._writer.close()
 
     # -- saving ----------------------------------------------------------------------------
@@ -197,7 +200,8 @@ class CheckpointHook:
             state = capture_state(ctx.strategy)  # type: ignore[arg-type]
             if gathered is not None:
                 state["rng_by_rank"] = gathered
-            copied = snapshot(state)
+            # the previous write is complete (waited for above), so its buffers are free to take the new copy
+            copied = snapshot(state, reuse=self._reusable)
             job = functools.partial(
                 storage.save_checkpoint,
                 self.checkpoint_root(ctx),
@@ -208,6 +212,7 @@ class CheckpointHook:
             )
             if self.async_save:
                 self._writer.submit(job, storage.checkpoint_name(step), functools.partial(self._written, step))
+                self._reusable = copied
             else:
                 job()
                 self.last_checkpoint_index = step

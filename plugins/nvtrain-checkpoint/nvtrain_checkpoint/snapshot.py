@@ -22,55 +22,89 @@ _LEAVES: frozenset[type] = frozenset(
 )
 
 
-def snapshot(state: Any, label: str = "state") -> Any:
+def snapshot(state: Any, label: str = "state", reuse: Any = None) -> Any:
     """A deep copy of ``state`` whose tensors live in host memory and share nothing with the model.
+
+    ``reuse`` is an earlier snapshot nobody reads any more: its tensors are copied
+    into where shape, dtype and strides still match, which avoids allocating (and
+    page-faulting) host memory again. CUDA tensors go to pinned buffers with
+    asynchronous copies and one synchronisation at the end.
 
     :raises TypeError: for a value no weights-only load can read back, naming where it sits.
     """
-    memo: dict[int, torch.Tensor] = {}
-    copied = _copy(state, label, memo)
-    if any(t.device.type == "cuda" for t in memo.values()):
+    copier = _Copier()
+    copied = copier.copy(state, reuse, label)
+    if copier.from_cuda:
         torch.cuda.synchronize()
     return copied
 
 
-def _copy(value: Any, path: str, memo: dict[int, torch.Tensor]) -> Any:
-    kind = type(value)
-    if kind in _LEAVES:
-        return value
-    if isinstance(value, torch.Tensor):
-        return _copy_tensor(value, path, memo)
-    if kind is dict or kind is OrderedDict:
-        out = kind()
-        for key, item in value.items():
-            if type(key) not in _LEAVES:
-                raise _refused(key, f"{path} (a key)")
-            out[key] = _copy(item, f"{path}[{key!r}]", memo)
-        return out
-    if kind is list:
-        return [_copy(item, f"{path}[{index}]", memo) for index, item in enumerate(value)]
-    if kind is tuple:
-        return tuple(_copy(item, f"{path}[{index}]", memo) for index, item in enumerate(value))
-    if kind is set:
-        return {_copy(item, f"{path} (a set member)", memo) for item in value}
-    raise _refused(value, path)
+class _Copier:
+    """One snapshot's bookkeeping: copies by source tensor (sharing), buffers taken, CUDA involved."""
 
+    def __init__(self) -> None:
+        self.memo: dict[int, torch.Tensor] = {}
+        self.taken: set[int] = set()
+        self.from_cuda = False
 
-def _copy_tensor(tensor: torch.Tensor, path: str, memo: dict[int, torch.Tensor]) -> torch.Tensor:
-    known = memo.get(id(tensor))
-    if known is not None:
-        return known
-    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
-        raise _refused(tensor, path)
-    if tensor.is_sparse or tensor.layout != torch.strided:
-        raise TypeError(f"checkpoint: {path} is a {tensor.layout} tensor; only dense (strided) tensors are saved")
-    source = tensor.detach()
-    if source.device.type == "cpu":
-        copy = source.clone()
-    else:
-        copy = source.to("cpu", copy=True)
-    memo[id(tensor)] = copy
-    return copy
+    def copy(self, value: Any, previous: Any, path: str) -> Any:
+        kind = type(value)
+        if kind in _LEAVES:
+            return value
+        if isinstance(value, torch.Tensor):
+            return self.copy_tensor(value, previous, path)
+        if kind is dict or kind is OrderedDict:
+            before = previous if type(previous) is kind else {}
+            out = kind()
+            for key, item in value.items():
+                if type(key) not in _LEAVES:
+                    raise _refused(key, f"{path} (a key)")
+                out[key] = self.copy(item, before.get(key), f"{path}[{key!r}]")
+            return out
+        if kind is list or kind is tuple:
+            same = type(previous) is kind and len(previous) == len(value)
+            olds = previous if same else (None,) * len(value)
+            items = [self.copy(item, old, f"{path}[{index}]") for index, (item, old) in enumerate(zip(value, olds))]
+            return items if kind is list else tuple(items)
+        if kind is set:
+            return {self.copy(item, None, f"{path} (a set member)") for item in value}
+        raise _refused(value, path)
+
+    def copy_tensor(self, tensor: torch.Tensor, previous: Any, path: str) -> torch.Tensor:
+        known = self.memo.get(id(tensor))
+        if known is not None:  # the same tensor twice (tied weights): one copy, still shared
+            return known
+        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+            raise _refused(tensor, path)
+        if tensor.layout != torch.strided:
+            raise TypeError(f"checkpoint: {path} is a {tensor.layout} tensor; only dense (strided) tensors are saved")
+        source = tensor.detach()
+        on_host = source.device.type == "cpu"
+        self.from_cuda = self.from_cuda or not on_host
+        if self._fits(previous, source, on_host):
+            copy = previous.copy_(source, non_blocking=not on_host)
+        elif on_host:
+            copy = source.clone()
+        elif source.is_contiguous():
+            copy = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            copy.copy_(source, non_blocking=True)
+        else:
+            copy = source.to("cpu", copy=True)
+        self.taken.add(id(copy))
+        self.memo[id(tensor)] = copy
+        return copy
+
+    def _fits(self, previous: Any, source: torch.Tensor, on_host: bool) -> bool:
+        """Can ``previous`` (a buffer of an earlier snapshot) take ``source``'s values as they are?"""
+        return (
+            isinstance(previous, torch.Tensor)
+            and id(previous) not in self.taken  # two sources must never land in one buffer
+            and previous.device.type == "cpu"
+            and previous.dtype == source.dtype
+            and previous.shape == source.shape
+            and previous.stride() == source.stride()
+            and (on_host or previous.is_pinned())
+        )
 
 
 def _refused(value: Any, path: str) -> TypeError:

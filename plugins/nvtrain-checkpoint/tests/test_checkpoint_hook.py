@@ -86,6 +86,13 @@ def test_step_and_epoch_intervals(driver: ModuleType, tmp_path: Path) -> None:
     assert _saved(tmp_path / "c") == [7, 14, 18]  # 18: the end of the run is always kept
 
 
+def test_keep_last_n_in_a_run(driver: ModuleType, tmp_path: Path) -> None:
+    hook = CheckpointHook(tmp_path, step_interval=2, keep_last_n=2, async_save=True)
+    driver.straight("plain", [hook])
+    assert _saved(tmp_path) == [16, 18] and (tmp_path / "latest").read_text() == "step_18\n"
+    assert hook.last_checkpoint_index == 18
+
+
 def test_an_epoch_interval_checkpoint_resumes_at_the_next_epoch(driver: ModuleType, tmp_path: Path) -> None:
     reference = driver.straight("plain", [CheckpointHook(tmp_path, epoch_interval=1)])
     recorder = driver.LossRecorder()

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from nvtrain_checkpoint import CheckpointHook, snapshot
+from nvtrain_checkpoint import CheckpointHook, read_checkpoint, snapshot
 
 import nvtrain
 import nvtrain.state
@@ -122,3 +122,31 @@ def test_cuda_tensors_and_generators_are_saved_on_the_host() -> None:
     torch.rand(5, device="cuda")
     apply_rng_state(state)
     assert torch.equal(torch.rand(3, device="cuda"), expected)
+
+
+def test_a_checkpoint_from_standalone_batches_keeps_its_counters_in_a_run(
+    driver: ModuleType, tmp_path: Path
+) -> None:
+    strategy = nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", [CheckpointHook(tmp_path, step_interval=2)]))
+    for batch in list(driver.make_loader("plain"))[:4]:
+        strategy.train_batch(batch)
+    strategy.close()
+    assert read_checkpoint(tmp_path / "step_4")["scheduler"] is None  # saved outside a run
+    resumed = nvtrain.TrainingStrategy.load_checkpoint(tmp_path / "step_4", **driver.strategy_kwargs("plain", []))
+    result = resumed.run(driver.make_loader("plain"))
+    assert (result.step_count, result.global_step_count, result.batch_count) == (22, 22, 22)  # 4 + two epochs of 9
+
+
+def test_a_snapshot_copies_and_can_reuse_an_earlier_ones_buffers() -> None:
+    weight = torch.randn(3, 3)
+    live = {"a": weight, "tied": weight, "list": [torch.zeros(2)], "step": 1}
+    first = snapshot(live)
+    assert first["a"] is first["tied"] and first["a"] is not weight  # shared stays shared, nothing aliases live
+    weight.add_(1.0)
+    assert not torch.equal(first["a"], weight)
+    second = snapshot({**live, "tied": torch.ones(3, 3)}, reuse=first)  # untied now
+    assert second["a"] is first["a"] and torch.equal(second["a"], weight)  # copied into the old buffer
+    assert second["tied"] is not second["a"] and torch.equal(second["tied"], torch.ones(3, 3))
+    assert second["list"][0] is first["list"][0]
+    resized = snapshot({"a": torch.zeros(4)}, reuse=second)
+    assert resized["a"] is not second["a"] and resized["a"].shape == (4,)
