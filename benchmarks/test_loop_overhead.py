@@ -1,115 +1,126 @@
-"""Per-step cost of TrainingStrategy against a hand-written loop on the same tiny model.
+"""Per-step time of TrainingStrategy against a hand-written loop on the same model.
 
-Targets (tiny MLP 32->64->1, batch 8, SGD, CPU, one thread): no plugins <= 1.05x
-the hand-written loop; 5 no-op observers on every stage but the two DO slots
-<= 1.15x. Each round trains STEPS steps from a fresh model, so per-round fixed
-costs (building the strategy, SETUP) are outside the timed region.
+Two MLPs trained with SGD on random batches (CPU, one intra-op thread):
+
+- tiny: 32->64->1, batch 8, where the loop's own cost shows most;
+- larger: 512->2048->512, batch 64, where the model's work dominates.
+
+Each is run hand-written (the baseline), through ``TrainingStrategy`` with no
+plugins, with 5 no-op observers on every stage that admits observers, and, for
+scale, as the hand-written loop plus one direct pluggy call per batch stage.
+Targets on the tiny model: no plugins <= 1.05x, 5 observers <= 1.15x.
+
+A round builds a fresh model (and strategy), takes one untimed warm-up step, then
+times a whole ``run()`` over STEPS batches: every step plus the run's own start
+and end (step scheduler, BEFORE_/AFTER_TRAINING), divided by STEPS.
+
+    python -m pytest benchmarks/test_loop_overhead.py
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 import nvtrain
-from nvtrain.stages import REPLACEMENT_STAGES, TrainingStage
+from nvtrain.benchmarking import (
+    LARGE_MLP,
+    TINY_MLP,
+    MLPSpec,
+    Workload,
+    hand_written_workload,
+    make_batches,
+    noop_observer,
+    strategy_workload,
+)
+from nvtrain.stages import BATCH_STAGES, TrainingStage
 
-STEPS = 200
-ROUNDS = 30
-
-
-def _data(batch: int = 8, features: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    return [(torch.randn(batch, features, generator=gen), torch.randn(batch, 1, generator=gen)) for _ in range(STEPS)]
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-
-
-def _noop_observer() -> object:
-    """A plugin implementing every stage except the two replacement slots, doing nothing."""
-    namespace: dict[str, Any] = {}
-    for stage in TrainingStage:
-        if stage in REPLACEMENT_STAGES:
-            continue
-        namespace[stage.hook_name] = nvtrain.hookimpl(lambda self, ctx: None)
-    return type("NoopObserver", (), namespace)()
+MODELS = {"tiny": TINY_MLP, "larger": LARGE_MLP}
 
 
-def _hand_written(model: torch.nn.Module, data: list[Any]) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loss_fn = torch.nn.functional.mse_loss
-    for inputs, targets in data:
+def _steps_and_rounds(model: str, scale: Any) -> tuple[int, int]:
+    if model == "tiny":
+        return scale.pick(200, 50), scale.pick(30, 6)
+    return scale.pick(10, 3), scale.pick(8, 2)
+
+
+def _group(model: str, spec: MLPSpec) -> str:
+    return f"loop: {model} MLP {spec.label}"
+
+
+def _time(benchmark: Any, workload: Workload, rounds: int, **info: Any) -> None:
+    benchmark.extra_info.update(suite="loop", steps=workload.units, **info)
+
+    def setup() -> tuple[tuple[Any], dict[str, Any]]:
+        return (workload.prepare(),), {}
+
+    def teardown(state: Any) -> None:
+        if workload.cleanup is not None:
+            workload.cleanup(state)
+
+    benchmark.pedantic(workload.run, setup=setup, teardown=teardown, rounds=rounds, warmup_rounds=1)
+    # pytest-benchmark times the round; report per step as well
+    benchmark.extra_info["per_step_us_median"] = benchmark.stats.stats.median / workload.units * 1e6
+    benchmark.extra_info["per_step_us_min"] = benchmark.stats.stats.min / workload.units * 1e6
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_hand_written_baseline(benchmark: Any, scale: Any, model: str) -> None:
+    steps, rounds = _steps_and_rounds(model, scale)
+    spec = MODELS[model]
+    benchmark.group = _group(model, spec)
+    _time(benchmark, hand_written_workload(spec, make_batches(spec, steps)), rounds, model=model, kind="hand")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_strategy_no_plugins(benchmark: Any, scale: Any, model: str) -> None:
+    steps, rounds = _steps_and_rounds(model, scale)
+    spec = MODELS[model]
+    benchmark.group = _group(model, spec)
+    _time(benchmark, strategy_workload(spec, make_batches(spec, steps)), rounds, model=model, kind="nvtrain")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_strategy_five_noop_observers(benchmark: Any, scale: Any, model: str) -> None:
+    steps, rounds = _steps_and_rounds(model, scale)
+    spec = MODELS[model]
+    benchmark.group = _group(model, spec)
+    workload = strategy_workload(spec, make_batches(spec, steps), lambda: [noop_observer() for _ in range(5)])
+    _time(benchmark, workload, rounds, model=model, kind="nvtrain+5 observers")
+
+
+def _direct_pluggy_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Any, Any, int], None]:
+    """The hand-written step plus one direct pluggy call per batch stage (no implementations)."""
+    hooks = nvtrain.HookBus().pluggy.hook
+    stage = {s: getattr(hooks, s.hook_name) for s in BATCH_STAGES}
+    before = [stage[s] for s in (TrainingStage.BEFORE_BATCH,)]
+    forward_loss = [stage[s] for s in sorted(BATCH_STAGES) if TrainingStage.BEFORE_FORWARD <= s <= TrainingStage.BEFORE_BACKWARD]
+    after = [stage[s] for s in sorted(BATCH_STAGES) if s >= TrainingStage.DO_BACKWARD]
+    mse_loss = torch.nn.functional.mse_loss
+    ctx = object()
+
+    def step(inputs: Any, targets: Any, number: int) -> None:
+        for hook in before:
+            hook(ctx=ctx)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs), targets)
+        loss = mse_loss(model(inputs), targets)
+        for hook in forward_loss:
+            hook(ctx=ctx)
         loss.backward()
+        for hook in after:
+            hook(ctx=ctx)
         optimizer.step()
 
-
-def _strategy(model: torch.nn.Module, hooks: list[object]) -> nvtrain.TrainingStrategy:
-    return nvtrain.TrainingStrategy(
-        models=model,
-        optimizers=functools.partial(torch.optim.SGD, lr=0.01),
-        loss_fn=torch.nn.functional.mse_loss,
-        hooks=hooks,
-        num_epochs=1,
-        device="cpu",
-    )
+    return step
 
 
-@pytest.mark.benchmark(group="loop-tiny-mlp")
-def test_baseline_hand_written_loop(benchmark: Any) -> None:
-    data = _data()
-    benchmark.pedantic(_hand_written, setup=lambda: ((_model(), data), {}), rounds=ROUNDS, warmup_rounds=2)
-
-
-@pytest.mark.benchmark(group="loop-tiny-mlp")
-def test_strategy_no_plugins(benchmark: Any) -> None:
-    data = _data()
-    benchmark.pedantic(
-        lambda strategy: strategy.run(data),
-        setup=lambda: ((_strategy(_model(), []),), {}),
-        rounds=ROUNDS,
-        warmup_rounds=2,
-    )
-
-
-@pytest.mark.benchmark(group="loop-tiny-mlp")
-def test_strategy_five_noop_observers(benchmark: Any) -> None:
-    data = _data()
-    benchmark.pedantic(
-        lambda strategy: strategy.run(data),
-        setup=lambda: ((_strategy(_model(), [_noop_observer() for _ in range(5)]),), {}),
-        rounds=ROUNDS,
-        warmup_rounds=2,
-    )
-
-
-@pytest.mark.benchmark(group="loop-tiny-mlp")
-def test_direct_pluggy_18_hooks(benchmark: Any) -> None:
-    """For scale: the hand-written loop plus one direct pluggy call per stage (no implementations)."""
-    data = _data()
-    bus = nvtrain.HookBus()
-    hooks = [getattr(bus.pluggy.hook, stage.hook_name) for stage in TrainingStage if stage is not TrainingStage.AFTER_VALIDATION]
-
-    def loop(model: torch.nn.Module) -> None:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        ctx = object()
-        for inputs, targets in data:
-            for hook in hooks[:4]:
-                hook(ctx=ctx)
-            optimizer.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.mse_loss(model(inputs), targets)
-            for hook in hooks[4:9]:
-                hook(ctx=ctx)
-            loss.backward()
-            for hook in hooks[9:]:
-                hook(ctx=ctx)
-            optimizer.step()
-
-    benchmark.pedantic(loop, setup=lambda: ((_model(),), {}), rounds=ROUNDS, warmup_rounds=2)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_hand_written_plus_direct_pluggy_calls(benchmark: Any, scale: Any, model: str) -> None:
+    steps, rounds = _steps_and_rounds(model, scale)
+    spec = MODELS[model]
+    benchmark.group = _group(model, spec)
+    workload = hand_written_workload(spec, make_batches(spec, steps), make_step=_direct_pluggy_step)
+    _time(benchmark, workload, rounds, model=model, kind="hand+pluggy")

@@ -13,7 +13,9 @@ are measured the same way:
   compares two candidates on both.
 
 :func:`stage_costs` times each stage's dispatch inside a real training run, for
-a hook stack that cannot be called outside one (an EMA or a checkpoint hook).
+a hook stack that cannot be called outside one (an EMA or a checkpoint hook);
+:func:`stack_report` adds the per-step overhead against a bare loop, which is
+what ``nvtrain bench dispatch`` prints.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ __all__ = [
     "Timing",
     "Workload",
     "bare_step",
+    "describe_hook",
     "dispatch_workloads",
     "hand_written_workload",
     "inert_loss",
@@ -56,6 +59,7 @@ __all__ = [
     "measure",
     "noop_observer",
     "ratio",
+    "stack_report",
     "stage_costs",
     "strategy_workload",
     "update_path_workloads",
@@ -555,3 +559,77 @@ def stage_costs(
 def _hook_name(hook: object) -> str:
     name = getattr(hook, "plugin_name", None)
     return name if isinstance(name, str) else type(hook).__qualname__
+
+
+# -- a user's hook stack --------------------------------------------------------------------------------
+
+
+def describe_hook(hook: object) -> dict[str, str]:
+    """Name, class and kind of one hook, for reports."""
+    from nvtrain.hook import Hook
+
+    if isinstance(hook, TrainingUpdateHook):
+        kind = "update hook"
+    elif isinstance(hook, Hook):
+        kind = "observer (Hook)"
+    else:
+        kind = "observer (pluggy)"
+    return {"name": _hook_name(hook), "class": type(hook).__qualname__, "kind": kind}
+
+
+def stack_report(
+    hooks: Callable[[], Sequence[object]],
+    *,
+    spec: MLPSpec = TINY_MLP,
+    steps: int = 200,
+    rounds: int = 5,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """What a hook stack costs on a small model: per-stage dispatch inside a run, and per-step overhead.
+
+    ``hooks()`` builds a fresh stack (it is called once per run). Per-step times are
+    measured round-robin for a bare hand-written loop, the strategy with no hooks and
+    the strategy with the stack, each over ``steps`` batches, ``rounds`` times.
+    Returns a JSON-ready dict.
+    """
+    device = torch.device(device)
+    batches = make_batches(spec, steps, device=device)
+    stack = list(hooks())
+    costs = stage_costs(spec, batches, lambda: stack, device=device)
+    workloads = {
+        "bare loop": hand_written_workload(spec, batches, device=device),
+        "nvtrain, no hooks": strategy_workload(spec, batches, device=device),
+    }
+    if stack:
+        workloads["nvtrain, your hooks"] = strategy_workload(spec, batches, hooks, device=device)
+    timings = measure(workloads, rounds=rounds)
+    bare = timings["bare loop"]
+    per_micro_batch = [c for c in costs if c.stage in BATCH_STAGES and c.median_ns is not None]
+    report: dict[str, Any] = {
+        "model": f"MLP {spec.label}, SGD",
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "steps": steps,
+        "rounds": rounds,
+        "hooks": [describe_hook(hook) for hook in stack],
+        "stages": [cost.to_dict() for cost in costs],
+        "sweep_ns": {
+            "observer_stages": sum(c.median_ns or 0.0 for c in per_micro_batch if c.stage not in UPDATE_STAGES),
+            "update_stages": sum(
+                c.median_ns or 0.0 for c in per_micro_batch if c.stage in UPDATE_STAGES and c.includes is None
+            ),
+            "do_slots": sum(c.median_ns or 0.0 for c in per_micro_batch if c.includes is not None),
+            "once_per_run": sum(
+                (c.median_ns or 0.0) * c.calls for c in costs if c.stage not in BATCH_STAGES
+            ),
+        },
+        "per_step_us": {name: {"median": t.median / 1e3, "min": t.min / 1e3} for name, t in timings.items()},
+        "ratios": {name: ratio(t, bare).to_dict() for name, t in timings.items() if name != "bare loop"},
+    }
+    if stack:
+        framework, yours = timings["nvtrain, no hooks"], timings["nvtrain, your hooks"]
+        report["hooks_overhead_us"] = {
+            "median": (yours.median - framework.median) / 1e3,
+            "min": (yours.min - framework.min) / 1e3,
+        }
+    return report

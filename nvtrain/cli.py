@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "validate": "nvtrain.commands.validate",
     "plot": "nvtrain.commands.plot",
     "plugins": "nvtrain.commands.plugins",
+    "bench": "nvtrain.commands.bench",
 }
 
 

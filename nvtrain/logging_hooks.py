@@ -30,6 +30,7 @@ import attrs
 import torch
 
 from nvtrain.hookspecs import hookimpl
+from nvtrain.validators import float_in_range, int_at_least
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -53,11 +54,6 @@ CSV_COLUMNS: tuple[str, ...] = (
 
 #: Observers run after the default-priority hooks at the same stage.
 LOGGING_PRIORITY = 90
-
-
-def _check_interval(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be an int >= 1 (got {value!r})")
 
 
 def _batch_size(batch: Any) -> int:
@@ -207,9 +203,9 @@ class ProgressBarHook:
 
     plugin_name: ClassVar[str] = "progress_bar"
 
-    log_every_n_steps: int = attrs.field(default=10, validator=_check_interval)
+    log_every_n_steps: int = attrs.field(default=10, validator=int_at_least(1))
     refresh_interval: float = attrs.field(default=0.5)
-    smoothing: float = attrs.field(default=0.3)
+    smoothing: float = attrs.field(default=0.3, validator=float_in_range(0, 1, include_high=True))
     #: Where to draw; default ``sys.stderr`` at the time the run starts.
     stream: TextIO | None = None
     #: Force the bar (True) or log lines (False); None: a bar only on a terminal.
@@ -229,11 +225,6 @@ class ProgressBarHook:
     def _check_refresh(self, attribute: attrs.Attribute[Any], value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"ProgressBarHook.refresh_interval must be a number of seconds > 0 (got {value!r})")
-
-    @smoothing.validator
-    def _check_smoothing(self, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-            raise ValueError(f"ProgressBarHook.smoothing must be in (0, 1] (got {value!r})")
 
     def __attrs_post_init__(self) -> None:
         self._reader = StepLogReader(self.log_every_n_steps)
@@ -346,34 +337,23 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
-# -- CSV -------------------------------------------------------------------------------------------
+# -- step-record loggers ---------------------------------------------------------------------------
 
 
-@attrs.define(eq=False)
-class CSVLoggerHook:
-    """Appends one row per logging step and one per validation to ``path`` (flushed per row).
+class _StepRecordLogger:
+    """The observer side shared by the file loggers: rank 0 writes a record per logging step and validation.
 
-    Columns start with :data:`CSV_COLUMNS`; a metric seen for the first time adds a
-    column, and the file is then rewritten atomically with the wider header. On a
-    resumed run, rows after the step the run resumed from are dropped first, so
-    the file describes one continuous run.
+    A subclass is an attrs class with the fields ``_reader`` (a :class:`StepLogReader`),
+    ``_active`` and ``_start_step``; it writes a record in ``_write`` and releases its
+    file in ``close``. ``_start_step`` is the step count at the first BEFORE_EPOCH, so
+    after a resume it is the step the run resumed from (0 for a fresh run).
     """
 
-    plugin_name: ClassVar[str] = "csv_logger"
+    __slots__ = ("_active", "_reader", "_start_step")
 
-    path: Path = attrs.field(converter=Path)
-    log_every_n_steps: int = attrs.field(default=10, validator=_check_interval)
-    priority: int = LOGGING_PRIORITY
-
-    _reader: StepLogReader = attrs.field(init=False)
-    _columns: list[str] = attrs.field(init=False, factory=list)
-    _file: TextIO | None = attrs.field(init=False, default=None)
-    _writer: Any = attrs.field(init=False, default=None)
-    _active: bool = attrs.field(init=False, default=False)
-    _start_step: int | None = attrs.field(init=False, default=None)
-
-    def __attrs_post_init__(self) -> None:
-        self._reader = StepLogReader(self.log_every_n_steps)
+    _reader: StepLogReader
+    _active: bool
+    _start_step: int | None
 
     @hookimpl
     def before_training(self, ctx: TrainingContext) -> None:
@@ -401,6 +381,42 @@ class CSVLoggerHook:
     @hookimpl
     def after_training(self, ctx: TrainingContext) -> None:
         self.close()
+
+    def _write(self, record: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+# -- CSV -------------------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class CSVLoggerHook(_StepRecordLogger):
+    """Appends one row per logging step and one per validation to ``path`` (flushed per row).
+
+    Columns start with :data:`CSV_COLUMNS`; a metric seen for the first time adds a
+    column, and the file is then rewritten atomically with the wider header. On a
+    resumed run, rows after the step the run resumed from are dropped first, so
+    the file describes one continuous run.
+    """
+
+    plugin_name: ClassVar[str] = "csv_logger"
+
+    path: Path = attrs.field(converter=Path)
+    log_every_n_steps: int = attrs.field(default=10, validator=int_at_least(1))
+    priority: int = LOGGING_PRIORITY
+
+    _reader: StepLogReader = attrs.field(init=False)
+    _columns: list[str] = attrs.field(init=False, factory=list)
+    _file: TextIO | None = attrs.field(init=False, default=None)
+    _writer: Any = attrs.field(init=False, default=None)
+    _active: bool = attrs.field(init=False, default=False)
+    _start_step: int | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        self._reader = StepLogReader(self.log_every_n_steps)
 
     def _write(self, record: dict[str, float]) -> None:
         if self._file is None:
@@ -480,7 +496,7 @@ def tensorboard_available() -> bool:
 
 
 @attrs.define(eq=False)
-class TensorBoardHook:
+class TensorBoardHook(_StepRecordLogger):
     """Writes the same scalars as the CSV logger as TensorBoard events under ``log_dir``.
 
     Tags: ``train/loss``, ``train/lr``, ``perf/step_time``, ``perf/samples_per_s``,
@@ -492,7 +508,7 @@ class TensorBoardHook:
     plugin_name: ClassVar[str] = "tensorboard"
 
     log_dir: Path = attrs.field(converter=Path)
-    log_every_n_steps: int = attrs.field(default=10, validator=_check_interval)
+    log_every_n_steps: int = attrs.field(default=10, validator=int_at_least(1))
     priority: int = LOGGING_PRIORITY
 
     _reader: StepLogReader = attrs.field(init=False)
@@ -504,33 +520,6 @@ class TensorBoardHook:
         if not tensorboard_available():
             raise ImportError("TensorBoardHook needs the tensorboard package: pip install 'nvtrain[tensorboard]'")
         self._reader = StepLogReader(self.log_every_n_steps)
-
-    @hookimpl
-    def before_training(self, ctx: TrainingContext) -> None:
-        self._active = ctx.rank == 0
-        self._start_step = None
-        self._reader.start()
-
-    @hookimpl
-    def before_epoch(self, ctx: TrainingContext) -> None:
-        if self._active and self._start_step is None:
-            self._start_step = ctx.step_count
-
-    @hookimpl
-    def after_batch(self, ctx: TrainingContext) -> None:
-        if self._active:
-            record = self._reader.observe_batch(ctx)
-            if record is not None:
-                self._write(record)
-
-    @hookimpl
-    def after_validation(self, ctx: TrainingContext) -> None:
-        if self._active:
-            self._write(self._reader.read_validation(ctx))
-
-    @hookimpl
-    def after_training(self, ctx: TrainingContext) -> None:
-        self.close()
 
     def _write(self, record: dict[str, float]) -> None:
         writer = self._writer

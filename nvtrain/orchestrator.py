@@ -89,14 +89,7 @@ class TrainingUpdateOrchestrator:
     @hookimpl
     def before_batch(self, ctx: TrainingContext) -> bool | None:
         """Ask the hooks whether to zero gradients; ``False`` is a veto on the bus."""
-        will_skip = False
-        for hook in self._before_batch_hooks:
-            proceed, _ = hook(ctx, _BEFORE_BATCH, will_skip)
-            if proceed is not True:
-                if proceed is not False:
-                    raise _bad_proceed(hook, _BEFORE_BATCH, proceed)
-                will_skip = True
-        return False if will_skip else None
+        return False if _vetoed_by(self._before_batch_hooks, ctx, _BEFORE_BATCH) else None
 
     def zero_gradients(self) -> None:
         """Zero every optimizer's gradients (``set_to_none=True``)."""
@@ -131,15 +124,8 @@ class TrainingUpdateOrchestrator:
     @hookimpl
     def do_optimizer_step(self, ctx: TrainingContext) -> bool:
         """Ask the hooks, then step optimizers and their schedulers unless vetoed."""
-        will_skip = False
-        for hook in self._step_hooks:
-            proceed, _ = hook(ctx, _DO_OPTIMIZER_STEP, will_skip)
-            if proceed is not True:
-                if proceed is not False:
-                    raise _bad_proceed(hook, _DO_OPTIMIZER_STEP, proceed)
-                will_skip = True
         stepped = False
-        if not will_skip:
+        if not _vetoed_by(self._step_hooks, ctx, _DO_OPTIMIZER_STEP):
             stepper = self._stepper
             for name, optimizer, schedulers in self._optimizers:
                 if stepper is None:
@@ -176,6 +162,18 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
     if isinstance(value, (list, tuple)):
         return tuple(value)
     return (value,)
+
+
+def _vetoed_by(hooks: tuple[TrainingUpdateHook, ...], ctx: TrainingContext, stage: TrainingStage) -> bool:
+    """Ask every hook in order, each told whether an earlier one vetoed; True when any returned False."""
+    will_skip = False
+    for hook in hooks:
+        proceed, _ = hook(ctx, stage, will_skip)
+        if proceed is not True:
+            if proceed is not False:
+                raise _bad_proceed(hook, stage, proceed)
+            will_skip = True
+    return will_skip
 
 
 def _bad_proceed(hook: object, stage: TrainingStage, proceed: object) -> TypeError:

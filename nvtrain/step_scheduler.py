@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
+from nvtrain.validators import int_at_least, optional_int_at_least
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -643,13 +644,6 @@ class StepScheduler:
 # -- configuration -------------------------------------------------------------------------------
 
 
-def _int_field(minimum: int, optional: bool) -> Any:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        _check_int("StepSchedulerConfig", attribute.name, value, minimum, optional=optional)
-
-    return check
-
-
 def _check_signal(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     resolve_signals(value, "StepSchedulerConfig.preemption_signal")
 
@@ -671,19 +665,19 @@ class StepSchedulerConfig:
     """
 
     #: Samples per optimizer step across all data-parallel ranks.
-    global_batch_size: int | None = attrs.field(default=None, validator=_int_field(1, True))
-    num_epochs: int | None = attrs.field(default=None, validator=_int_field(1, True))
-    max_steps: int | None = attrs.field(default=None, validator=_int_field(1, True))
+    global_batch_size: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    num_epochs: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    max_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     #: Checkpoint every N optimizer steps (None: only epoch ends, the last step and preemption).
-    ckpt_every_steps: int | None = attrs.field(default=100, validator=_int_field(1, True))
+    ckpt_every_steps: int | None = attrs.field(default=100, validator=optional_int_at_least(1))
     save_checkpoint_every_epoch: bool = True
     validate_on_checkpoint: bool = True
-    val_every_steps: int | None = attrs.field(default=None, validator=_int_field(1, True))
-    log_remote_every_steps: int = attrs.field(default=1, validator=_int_field(1, False))
-    loss_average_window_steps: int = attrs.field(default=50, validator=_int_field(1, False))
-    gc_every_steps: int | None = attrs.field(default=None, validator=_int_field(1, True))
-    start_step: int = attrs.field(default=0, validator=_int_field(0, False))
-    start_epoch: int = attrs.field(default=0, validator=_int_field(0, False))
+    val_every_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    log_remote_every_steps: int = attrs.field(default=1, validator=int_at_least(1))
+    loss_average_window_steps: int = attrs.field(default=50, validator=int_at_least(1))
+    gc_every_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    start_step: int = attrs.field(default=0, validator=int_at_least(0))
+    start_epoch: int = attrs.field(default=0, validator=int_at_least(0))
     #: Signal(s) that trigger a preemption checkpoint: a name ("SIGTERM"), a number, or a list; None disables.
     preemption_signal: int | str | tuple[int | str, ...] | None = attrs.field(
         default="SIGTERM", converter=_as_signal_spec, validator=_check_signal
@@ -709,23 +703,20 @@ class StepSchedulerConfig:
             global_batch_size = local_batch_size * dp_group_size
         if synchronized_stream is None:
             synchronized_stream = bool(getattr(dataloader, "synchronized_stream", False))
-        return StepScheduler(
+        return self._scheduler(
             global_batch_size=global_batch_size,
             local_batch_size=local_batch_size,
             dp_size=dp_group_size,
             dataloader=dataloader,
-            ckpt_every_steps=self.ckpt_every_steps,
-            save_checkpoint_every_epoch=self.save_checkpoint_every_epoch,
-            validate_on_checkpoint=self.validate_on_checkpoint,
-            val_every_steps=self.val_every_steps,
-            log_remote_every_steps=self.log_remote_every_steps,
-            loss_average_window_steps=self.loss_average_window_steps,
-            gc_every_steps=self.gc_every_steps,
-            start_step=self.start_step,
-            start_epoch=self.start_epoch,
-            num_epochs=self.num_epochs,
-            max_steps=self.max_steps,
-            preemption_signal=self.preemption_signal,
             process_group=process_group,
             synchronized_stream=synchronized_stream,
         )
+
+    def _scheduler(self, **settings: Any) -> StepScheduler:
+        """A StepScheduler with every field of this configuration (each names a StepScheduler argument).
+
+        ``settings`` gives the runtime arguments (loader, batch sizes, process group)
+        and replaces fields where the caller knows better, as the strategy does for
+        the run bounds and where a resumed run starts.
+        """
+        return StepScheduler(**{**attrs.asdict(self, recurse=False), **settings})

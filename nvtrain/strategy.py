@@ -18,6 +18,7 @@ from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.stages import TrainingStage
 from nvtrain.step_scheduler import StepScheduler, StepSchedulerConfig
 from nvtrain.validation import ValidationConfig, ValidationLoop
+from nvtrain.validators import optional_int_at_least
 
 __all__ = ["RunResult", "TrainingStrategy"]
 
@@ -98,9 +99,13 @@ def _default_device(manager: Any) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _positive_int_or_none(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"TrainingStrategy.{attribute.name} must be an int >= 1 or None (got {value!r})")
+def _check_names(field: str, names: Iterable[str], kind: str, known: Mapping[str, Any]) -> None:
+    """Every key of ``field`` names one of ``known`` (a ``kind``: model, optimizer)."""
+    for name in names:
+        if name not in known:
+            raise ValueError(
+                f"TrainingStrategy.{field}[{name!r}]: no {kind} named {name!r} ({kind}s: {sorted(known)})"
+            )
 
 
 def _has_hookimpls(obj: object) -> bool:
@@ -136,8 +141,8 @@ class TrainingStrategy:
     forward_fn: Callable[[TrainingContext], Any] | None = None
     hooks: Sequence[object] = attrs.field(factory=tuple, converter=tuple)
     device: torch.device = attrs.field(default=None, converter=_as_device)
-    num_epochs: int | None = attrs.field(default=None, validator=_positive_int_or_none)
-    max_steps: int | None = attrs.field(default=None, validator=_positive_int_or_none)
+    num_epochs: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    max_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     validation: ValidationConfig | None = attrs.field(default=None)
     distributed_manager: Any = None
     #: Windows, cadences and preemption of ``run()`` (None: one micro-batch per step, SIGTERM preempts).
@@ -160,21 +165,11 @@ class TrainingStrategy:
     def _check_optimizers(self, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
         if not value:
             raise ValueError("TrainingStrategy.optimizers: at least one optimizer factory is required")
-        for name in value:
-            if name not in self.models:
-                raise ValueError(
-                    f"TrainingStrategy.optimizers[{name!r}]: no model named {name!r} "
-                    f"(models: {sorted(self.models)})"
-                )
+        _check_names("optimizers", value, "model", self.models)
 
     @lr_schedulers.validator
     def _check_schedulers(self, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
-        for name in value:
-            if name not in self.optimizers:
-                raise ValueError(
-                    f"TrainingStrategy.lr_schedulers[{name!r}]: no optimizer named {name!r} "
-                    f"(optimizers: {sorted(self.optimizers)})"
-                )
+        _check_names("lr_schedulers", value, "optimizer", self.optimizers)
 
     @step_scheduler.validator
     def _check_step_scheduler(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -367,23 +362,16 @@ class TrainingStrategy:
             global_batch_size = steps * local_batch_size * dp_size
         val_every = [config.val_every_steps, self.validation.every_n_steps if self.validation is not None else None]
         progressed = ctx.step_count > 0 or ctx.epoch > 0 or isinstance(ctx.scheduler, StepScheduler)
-        scheduler = StepScheduler(
+        scheduler = config._scheduler(
             global_batch_size=global_batch_size,
             local_batch_size=local_batch_size,
             dp_size=dp_size,
             dataloader=loader,
-            ckpt_every_steps=config.ckpt_every_steps,
-            save_checkpoint_every_epoch=config.save_checkpoint_every_epoch,
-            validate_on_checkpoint=config.validate_on_checkpoint,
             val_every_steps=[every for every in val_every if every is not None],
-            log_remote_every_steps=config.log_remote_every_steps,
-            loss_average_window_steps=config.loss_average_window_steps,
-            gc_every_steps=config.gc_every_steps,
             start_step=ctx.step_count if progressed else config.start_step,
             start_epoch=ctx.epoch if progressed else config.start_epoch,
             num_epochs=num_epochs,
             max_steps=max_steps,
-            preemption_signal=config.preemption_signal,
             process_group=getattr(self.distributed_manager, "process_group", None),
             synchronized_stream=bool(getattr(loader, "synchronized_stream", False)),
         )

@@ -9,15 +9,12 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from nvtrain.validators import optional_int_at_least
+
 __all__ = ["ValidationConfig", "ValidationLoop"]
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 Metric = Callable[[Any, Any], torch.Tensor]
-
-
-def _positive_or_none(instance: Any, attribute: attrs.Attribute[Any], value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"ValidationConfig.{attribute.name} must be an int >= 1 or None (got {value!r})")
 
 
 @attrs.frozen
@@ -33,8 +30,8 @@ class ValidationConfig:
     """
 
     data: Iterable[Any] | None = None
-    every_n_steps: int | None = attrs.field(default=None, validator=_positive_or_none)
-    every_n_epochs: int | None = attrs.field(default=None, validator=_positive_or_none)
+    every_n_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    every_n_epochs: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     use_mixed_precision: bool | Literal["auto"] = attrs.field(default="auto")
     use_ema: bool = False
     metrics: Mapping[str, Metric] = attrs.field(factory=dict)

@@ -7,7 +7,8 @@ need not import this file (tests are collected with ``--import-mode=importlib``)
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+import signal
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -158,3 +159,22 @@ def make_strategy() -> Callable[..., nvtrain.TrainingStrategy]:
         return nvtrain.TrainingStrategy(hooks=list(hooks), **fields)
 
     return make
+
+
+@pytest.fixture
+def fallback_handlers() -> Iterator[list[int]]:
+    """Python handlers for SIGTERM / SIGUSR1 while a test runs, so a signal nothing caught cannot kill pytest.
+
+    Yields the list of signals those handlers received.
+    """
+    caught: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        caught.append(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield caught
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -25,22 +25,6 @@ from nvtrain.preemption import PreemptionWatcher, resolve_signals
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
 
 
-@pytest.fixture
-def fallback_handlers() -> Iterator[list[int]]:
-    """Python handlers for SIGTERM / SIGUSR1 while a test runs, so a stray signal cannot kill pytest."""
-    caught: list[int] = []
-
-    def handler(signum: int, frame: Any) -> None:
-        caught.append(signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield caught
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def send(sig: signal.Signals) -> None:
     os.kill(os.getpid(), sig)
 

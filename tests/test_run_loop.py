@@ -7,7 +7,7 @@ import functools
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,22 +18,6 @@ from nvtrain import StepSchedulerConfig, ValidationConfig
 from nvtrain.hooks.accumulation import GradientAccumulationHook
 
 RTOL, ATOL = 1e-9, 1e-12
-
-
-@pytest.fixture
-def fallback_handlers() -> Iterator[list[int]]:
-    """Python handlers for SIGTERM / SIGUSR1, so a signal the run failed to catch cannot kill pytest."""
-    caught: list[int] = []
-
-    def handler(signum: int, frame: Any) -> None:
-        caught.append(signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield caught
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def double_batches(count: int, size: int = 2, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -9,6 +9,7 @@ import torch
 
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.stages import TrainingStage
+from nvtrain.validators import int_at_least
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -18,15 +19,6 @@ __all__ = ["GradientAccumulationHook"]
 _BEFORE_BATCH = TrainingStage.BEFORE_BATCH
 _DO_BACKWARD = TrainingStage.DO_BACKWARD
 _DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
-
-
-def _int_at_least(minimum: int | None) -> Any:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-            expected = "an int" if minimum is None else f"an int >= {minimum}"
-            raise ValueError(f"{type(instance).__name__}.{attribute.name} must be {expected} (got {value!r})")
-
-    return check
 
 
 @attrs.define(eq=False)
@@ -60,8 +52,8 @@ class GradientAccumulationHook(TrainingUpdateHook):
     exclusive_key: ClassVar[str | None] = "gradient_accumulation"
 
     #: Micro-batches per optimizer step (the window size K).
-    steps: int = attrs.field(validator=_int_at_least(1))
-    priority: int = attrs.field(default=10, validator=_int_at_least(None))
+    steps: int = attrs.field(validator=int_at_least(1))
+    priority: int = attrs.field(default=10, validator=int_at_least(None))
 
     # standalone counting: position of the next micro-batch in its window
     _position: int = attrs.field(init=False, default=0, repr=False)

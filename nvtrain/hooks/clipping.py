@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -12,6 +11,7 @@ import torch
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.stages import TrainingStage
 from nvtrain.stash import StashKey
+from nvtrain.validators import number_above, optional_number_above, strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -83,20 +83,6 @@ class OptimizerParameters:
         return [optimizers[key] for key in keys]
 
 
-def _positive_float_or_none(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value):
-        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a number > 0 or None (got {value!r})")
-
-
-def _norm_type(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be a number > 0, e.g. 2.0 or float('inf') (got {value!r})"
-        )
-
-
 def _model_keys(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
@@ -113,11 +99,6 @@ def _as_key_tuple(value: Any) -> tuple[str, ...] | None:
     if isinstance(value, str):
         return (value,)
     return tuple(value)
-
-
-def _int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{type(instance).__name__}.{attribute.name} must be an int (got {value!r})")
 
 
 @attrs.define(eq=False)
@@ -143,13 +124,13 @@ class GradientClippingHook(TrainingUpdateHook):
     plugin_name: ClassVar[str] = "clip"
     stages: ClassVar[frozenset[TrainingStage]] = frozenset({_DO_OPTIMIZER_STEP})
 
-    max_norm: float | None = attrs.field(default=None, validator=_positive_float_or_none)
-    norm_type: float = attrs.field(default=2.0, validator=_norm_type)
-    max_value: float | None = attrs.field(default=None, validator=_positive_float_or_none)
+    max_norm: float | None = attrs.field(default=None, validator=optional_number_above(0))
+    norm_type: float = attrs.field(default=2.0, validator=number_above(0, example="2.0 or float('inf')"))
+    max_value: float | None = attrs.field(default=None, validator=optional_number_above(0))
     model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_key_tuple, validator=_model_keys)
     #: Passed to the torch clipping functions; None lets torch pick the fastest implementation.
     foreach: bool | None = None
-    priority: int = attrs.field(default=30, validator=_int)
+    priority: int = attrs.field(default=30, validator=strict_int)
 
     _metric: str = attrs.field(init=False, repr=False)
     _params: OptimizerParameters = attrs.field(init=False, repr=False)

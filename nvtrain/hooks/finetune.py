@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from nvtrain.hookspecs import hookimpl
+from nvtrain.validators import strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -50,11 +51,6 @@ def _model_keys(instance: Any, attribute: attrs.Attribute[Any], value: tuple[str
         )
 
 
-def _int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{type(instance).__name__}.{attribute.name} must be an int (got {value!r})")
-
-
 def _selected_models(
     owner: str, models: Mapping[str, torch.nn.Module], keys: tuple[str, ...] | None
 ) -> dict[str, torch.nn.Module]:
@@ -81,8 +77,36 @@ def _examples(names: Iterable[str], limit: int = 5) -> str:
     return shown + (", ..." if len(names) > limit else "") if names else "none"
 
 
+class _AppliedAtSetup:
+    """Applies the hook at SETUP, and stops training when it was registered too late to have done so.
+
+    A subclass defines ``apply(models, optimizers)``, which sets ``_applied``, and
+    ``_missed_setup``: what is left undone when SETUP passed without it.
+    """
+
+    __slots__ = ()
+
+    _missed_setup: ClassVar[str]
+    _applied: bool
+
+    def apply(self, models: Mapping[str, torch.nn.Module], optimizers: Mapping[str, Any] | None = None) -> object:
+        raise NotImplementedError
+
+    @hookimpl
+    def setup(self, ctx: TrainingContext) -> None:
+        self.apply(ctx.models, ctx.optimizers)
+
+    @hookimpl
+    def before_training(self, ctx: TrainingContext) -> None:
+        if not self._applied:
+            raise RuntimeError(
+                f"{type(self).__name__} was registered after SETUP, so {self._missed_setup}; "
+                "pass it in TrainingStrategy(hooks=[...])"
+            )
+
+
 @attrs.define(eq=False)
-class TrainableParameterHook:
+class TrainableParameterHook(_AppliedAtSetup):
     """Set ``requires_grad`` by parameter-name globs, so optimizers get only trainable parameters.
 
     ``trainable`` is an allow-list: when given, exactly the parameters matching one
@@ -96,11 +120,12 @@ class TrainableParameterHook:
     """
 
     plugin_name: ClassVar[str] = "trainable_params"
+    _missed_setup: ClassVar[str] = "no requires_grad flag was set and the optimizers hold every parameter"
 
     trainable: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_patterns)
     frozen: tuple[str, ...] = attrs.field(default=(), converter=lambda v: _as_patterns(v) or (), validator=_patterns)
     model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_model_keys)
-    priority: int = attrs.field(default=2, validator=_int)
+    priority: int = attrs.field(default=2, validator=strict_int)
 
     #: After applying: the trainable parameter names of each touched model.
     trainable_names: dict[str, list[str]] = attrs.field(init=False, factory=dict)
@@ -111,18 +136,6 @@ class TrainableParameterHook:
             raise ValueError(
                 "TrainableParameterHook needs at least one pattern in 'trainable' or 'frozen' "
                 f"(got trainable={self.trainable!r}, frozen={self.frozen!r})"
-            )
-
-    @hookimpl
-    def setup(self, ctx: TrainingContext) -> None:
-        self.apply(ctx.models, ctx.optimizers)
-
-    @hookimpl
-    def before_training(self, ctx: TrainingContext) -> None:
-        if not self._applied:
-            raise RuntimeError(
-                "TrainableParameterHook was registered after SETUP, so no requires_grad flag was set and the "
-                "optimizers hold every parameter; pass it in TrainingStrategy(hooks=[...])"
             )
 
     def apply(
@@ -166,7 +179,7 @@ def _check_patches(instance: Any, attribute: attrs.Attribute[Any], value: dict[s
 
 
 @attrs.define(eq=False)
-class ModulePatchHook:
+class ModulePatchHook(_AppliedAtSetup):
     """Replace submodules whose qualified names match a glob, before optimizers exist.
 
     ``patches`` maps a glob on names from ``model.named_modules()`` (``"head"``,
@@ -178,26 +191,15 @@ class ModulePatchHook:
     """
 
     plugin_name: ClassVar[str] = "module_patch"
+    _missed_setup: ClassVar[str] = "no module was replaced and the optimizers hold the old parameters"
 
     patches: dict[str, ModuleFactory] = attrs.field(converter=dict, validator=_check_patches)
     model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_model_keys)
-    priority: int = attrs.field(default=1, validator=_int)
+    priority: int = attrs.field(default=1, validator=strict_int)
 
     #: After applying: ``(model key, qualified name)`` of every replaced submodule.
     replaced: list[tuple[str, str]] = attrs.field(init=False, factory=list)
     _applied: bool = attrs.field(init=False, default=False, repr=False)
-
-    @hookimpl
-    def setup(self, ctx: TrainingContext) -> None:
-        self.apply(ctx.models, ctx.optimizers)
-
-    @hookimpl
-    def before_training(self, ctx: TrainingContext) -> None:
-        if not self._applied:
-            raise RuntimeError(
-                "ModulePatchHook was registered after SETUP, so no module was replaced and the optimizers hold "
-                "the old parameters; pass it in TrainingStrategy(hooks=[...])"
-            )
 
     def apply(
         self, models: Mapping[str, torch.nn.Module], optimizers: Mapping[str, Any] | None = None

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.hooks.clipping import GRAD_NORM, OptimizerParameters, total_grad_norm
 from nvtrain.stages import TrainingStage
+from nvtrain.validators import int_at_least, number_above
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -22,27 +23,6 @@ __all__ = ["SpikeSkipHook"]
 
 _DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
 _SIGNALS = ("loss", "grad_norm")
-
-
-def _positive_number(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a finite number > 0 (got {value!r})")
-
-
-def _norm_type(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be a number > 0, e.g. 2.0 or float('inf') (got {value!r})"
-        )
-
-
-def _int_at_least(minimum: int | None) -> Any:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-            expected = "an int" if minimum is None else f"an int >= {minimum}"
-            raise ValueError(f"{type(instance).__name__}.{attribute.name} must be {expected} (got {value!r})")
-
-    return check
 
 
 def _as_tuple(value: Any) -> tuple[str, ...]:
@@ -136,18 +116,18 @@ class SpikeSkipHook(TrainingUpdateHook):
     exclusive_key: ClassVar[str | None] = "spike_skip"
 
     #: Skip when a value exceeds mean + threshold_sigmas * std of the recent accepted values.
-    threshold_sigmas: float = attrs.field(default=6.0, validator=_positive_number)
+    threshold_sigmas: float = attrs.field(default=6.0, validator=number_above(0, finite=True))
     #: How many recent accepted steps the statistics cover.
-    window: int = attrs.field(default=100, validator=_int_at_least(2))
+    window: int = attrs.field(default=100, validator=int_at_least(2))
     #: Accepted steps before the threshold applies (non-finite values are skipped from the start).
-    warmup_steps: int = attrs.field(default=20, validator=_int_at_least(2))
+    warmup_steps: int = attrs.field(default=20, validator=int_at_least(2))
     #: Which values to watch: "loss", "grad_norm", or both.
     monitor: tuple[str, ...] = attrs.field(default=_SIGNALS, converter=_as_tuple, validator=_monitor)
     #: Norm used when no clipping hook computed the gradient norm already.
-    norm_type: float = attrs.field(default=2.0, validator=_norm_type)
+    norm_type: float = attrs.field(default=2.0, validator=number_above(0, example="2.0 or float('inf')"))
     #: Process group of the deciding collective; None is the default group.
     process_group: Any = None
-    priority: int = attrs.field(default=40, validator=_int_at_least(None))
+    priority: int = attrs.field(default=40, validator=int_at_least(None))
 
     _loss_stats: RollingStats = attrs.field(init=False, repr=False)
     _norm_stats: RollingStats = attrs.field(init=False, repr=False)

@@ -20,6 +20,7 @@ import torch
 
 from nvtrain.hookspecs import hookimpl
 from nvtrain.stages import BATCH_STAGES, REPLACEMENT_STAGES, TrainingStage
+from nvtrain.validators import int_at_least
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -48,15 +49,6 @@ def _check_stages(instance: Any, attribute: attrs.Attribute[Any], value: tuple[T
             f"StageTimingHook.stages must be a non-empty set of batch stages (BEFORE_BATCH ... AFTER_BATCH) "
             f"(got {[s.name for s in value] or 'nothing'}; not batch stages: {outside})"
         )
-
-
-def _int_at_least(minimum: int | None) -> Any:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-            expected = "an int" if minimum is None else f"an int >= {minimum}"
-            raise ValueError(f"StageTimingHook.{attribute.name} must be {expected} (got {value!r})")
-
-    return check
 
 
 @attrs.define(slots=True)
@@ -124,13 +116,13 @@ class StageTimingHook:
     stages: tuple[TrainingStage, ...] = attrs.field(
         default=tuple(sorted(BATCH_STAGES)), converter=_as_stages, validator=_check_stages
     )
-    flush_every_n_steps: int = attrs.field(default=100, validator=_int_at_least(1))
+    flush_every_n_steps: int = attrs.field(default=100, validator=int_at_least(1))
     #: Also log a summary line (logger ``nvtrain.hooks.timing``, level INFO) at each flush.
     log: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     #: Emit NVTX ranges when timing on CUDA.
     nvtx: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-    max_samples: int = attrs.field(default=10_000, validator=_int_at_least(1))
-    priority: int = attrs.field(default=-1000, validator=_int_at_least(None))
+    max_samples: int = attrs.field(default=10_000, validator=int_at_least(1))
+    priority: int = attrs.field(default=-1000, validator=int_at_least(None))
 
     _stats: dict[TrainingStage, _StageStats] = attrs.field(init=False, repr=False)
     _rng: random.Random = attrs.field(init=False, repr=False, factory=lambda: random.Random(0))

@@ -12,6 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 import nvtrain
 from nvtrain import TrainingStage
+from nvtrain.validators import float_in_range, int_at_least, number_above, strict_int
 from nvtrain_amp.precision import AUTO, Precision, parse_precision, precision_name, resolve_auto
 
 __all__ = ["MixedPrecisionHook"]
@@ -20,31 +21,6 @@ _BEFORE_BATCH = TrainingStage.BEFORE_BATCH
 _DO_BACKWARD = TrainingStage.DO_BACKWARD
 _DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
 _AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
-
-
-def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"MixedPrecisionHook.{attribute.name} must be a number > 0 (got {value!r})")
-
-
-def _above_one(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1.0:
-        raise ValueError(f"MixedPrecisionHook.{attribute.name} must be a number > 1.0 (got {value!r})")
-
-
-def _between_zero_and_one(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
-        raise ValueError(f"MixedPrecisionHook.{attribute.name} must be a number in (0.0, 1.0) (got {value!r})")
-
-
-def _positive_int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"MixedPrecisionHook.{attribute.name} must be an int >= 1 (got {value!r})")
-
-
-def _int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"MixedPrecisionHook.{attribute.name} must be an int (got {value!r})")
 
 
 @attrs.define(eq=False)
@@ -85,11 +61,11 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     )
 
     precision: Precision = attrs.field(converter=parse_precision)
-    init_scale: float = attrs.field(default=2.0**16, validator=_positive)
-    growth_factor: float = attrs.field(default=2.0, validator=_above_one)
-    backoff_factor: float = attrs.field(default=0.5, validator=_between_zero_and_one)
-    growth_interval: int = attrs.field(default=2000, validator=_positive_int)
-    priority: int = attrs.field(default=20, validator=_int)
+    init_scale: float = attrs.field(default=2.0**16, validator=number_above(0))
+    growth_factor: float = attrs.field(default=2.0, validator=number_above(1.0))
+    backoff_factor: float = attrs.field(default=0.5, validator=float_in_range(0.0, 1.0))
+    growth_interval: int = attrs.field(default=2000, validator=int_at_least(1))
+    priority: int = attrs.field(default=20, validator=strict_int)
 
     _dtype: torch.dtype | None = attrs.field(init=False, default=None, repr=False)
     _device_type: str | None = attrs.field(init=False, default=None, repr=False)

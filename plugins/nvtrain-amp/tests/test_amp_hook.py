@@ -6,7 +6,7 @@ import contextlib
 import functools
 import io
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -334,7 +334,8 @@ def test_auto_precision_resolves_to_fp32_on_cpu() -> None:
     assert probe.dtypes["outputs"] == torch.float32
 
 
-def test_autocast_is_closed_when_the_forward_raises() -> None:
+def forward_failing_once() -> Callable[[nvtrain.TrainingContext], torch.Tensor]:
+    """A forward_fn that raises on its first call, inside the autocast region, and works afterwards."""
     calls = {"n": 0}
 
     def forward(ctx: nvtrain.TrainingContext) -> torch.Tensor:
@@ -343,22 +344,18 @@ def test_autocast_is_closed_when_the_forward_raises() -> None:
             raise RuntimeError("boom in forward")
         return ctx.models["main"](ctx.batch[0])
 
-    strategy = make_strategy([MixedPrecisionHook(precision="bf16")], forward_fn=forward)
+    return forward
+
+
+def test_autocast_is_closed_when_the_forward_raises() -> None:
+    strategy = make_strategy([MixedPrecisionHook(precision="bf16")], forward_fn=forward_failing_once())
     with pytest.raises(RuntimeError, match="boom in forward"), strategy:
         strategy.train_batch(make_batches(1)[0])
     assert not torch.is_autocast_enabled("cpu")
 
 
 def test_next_batch_closes_an_autocast_left_open_by_an_exception() -> None:
-    calls = {"n": 0}
-
-    def forward(ctx: nvtrain.TrainingContext) -> torch.Tensor:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("boom in forward")
-        return ctx.models["main"](ctx.batch[0])
-
-    strategy = make_strategy([MixedPrecisionHook(precision="bf16")], forward_fn=forward)
+    strategy = make_strategy([MixedPrecisionHook(precision="bf16")], forward_fn=forward_failing_once())
     batch = make_batches(1)[0]
     with pytest.raises(RuntimeError, match="boom in forward"):
         strategy.train_batch(batch)

@@ -17,6 +17,7 @@ import torch
 import nvtrain
 from nvtrain.hook import DEFAULT_PRIORITY
 from nvtrain.state import capture_rng_state, capture_state, load_state, strategy_hooks
+from nvtrain.validators import optional_int_at_least, strict_bool, strict_int
 from nvtrain_checkpoint import storage
 from nvtrain_checkpoint.snapshot import snapshot
 from nvtrain_checkpoint.writer import BackgroundWriter
@@ -27,26 +28,6 @@ logger = logging.getLogger(__name__)
 
 NEVER = "never"
 AUTO = "auto"
-
-
-def _positive_or_none(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"CheckpointHook.{attribute.name} must be an int >= 1 or None (got {value!r})")
-
-
-def _non_negative_or_none(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"CheckpointHook.{attribute.name} must be an int >= 0 or None (got {value!r})")
-
-
-def _strict_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"CheckpointHook.{attribute.name} must be True or False (got {value!r})")
-
-
-def _int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"CheckpointHook.{attribute.name} must be an int (got {value!r})")
 
 
 def _as_dir(value: Any) -> Path:
@@ -89,14 +70,14 @@ class CheckpointHook:
     plugin_name: ClassVar[str] = "checkpoint"
 
     checkpoint_dir: Path = attrs.field(converter=_as_dir)
-    step_interval: int | None = attrs.field(default=None, validator=_positive_or_none)
-    epoch_interval: int | None = attrs.field(default=None, validator=_positive_or_none)
-    async_save: bool = attrs.field(default=False, validator=_strict_bool)
-    rank_zero_only: bool = attrs.field(default=True, validator=_strict_bool)
-    last_checkpoint_index: int | None = attrs.field(default=None, validator=_non_negative_or_none)
-    keep_last_n: int | None = attrs.field(default=None, validator=_positive_or_none)
+    step_interval: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    epoch_interval: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    async_save: bool = attrs.field(default=False, validator=strict_bool)
+    rank_zero_only: bool = attrs.field(default=True, validator=strict_bool)
+    last_checkpoint_index: int | None = attrs.field(default=None, validator=optional_int_at_least(0))
+    keep_last_n: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     resume: str | Path = attrs.field(default=NEVER, converter=_as_resume)
-    priority: int = attrs.field(default=DEFAULT_PRIORITY, validator=_int)
+    priority: int = attrs.field(default=DEFAULT_PRIORITY, validator=strict_int)
 
     _writer: BackgroundWriter = attrs.field(init=False, factory=BackgroundWriter, repr=False)
     _saved_step: int | None = attrs.field(init=False, default=None, repr=False)

@@ -12,34 +12,16 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import nvtrain
 from nvtrain import TrainingStage
 from nvtrain.distributed import unwrap_model
+from nvtrain.validators import float_in_range, int_at_least, strict_bool
 
 __all__ = ["EMAHook", "unwrap_model"]
 
 _AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
 
 
-def _decay(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"EMAHook.decay must be in [0.0, 1.0) (got {value!r})")
-
-
-def _int_at_least(minimum: int | None) -> Any:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-            expected = "an int" if minimum is None else f"an int >= {minimum}"
-            raise ValueError(f"EMAHook.{attribute.name} must be {expected} (got {value!r})")
-
-    return check
-
-
 def _non_empty_str(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise ValueError(f"EMAHook.{attribute.name} must be a non-empty model name (got {value!r})")
-
-
-def _bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"EMAHook.{attribute.name} must be True or False (got {value!r})")
 
 
 @attrs.define(eq=False)
@@ -69,16 +51,16 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     #: Key of the source model in ``ctx.models``.
     model_key: str = attrs.field(default="main", validator=_non_empty_str)
     #: EMA decay factor in [0.0, 1.0).
-    decay: float = attrs.field(default=0.999, validator=_decay)
+    decay: float = attrs.field(default=0.999, validator=float_in_range(0.0, 1.0, include_low=True))
     #: Update when the completed-step count is divisible by this (global modulo).
-    update_every: int = attrs.field(default=1, validator=_int_at_least(1))
+    update_every: int = attrs.field(default=1, validator=int_at_least(1))
     #: First completed step eligible for an update.
-    start_step: int = attrs.field(default=0, validator=_int_at_least(0))
+    start_step: int = attrs.field(default=0, validator=int_at_least(0))
     #: Average module buffers (e.g. BatchNorm running statistics) as well.
-    use_buffers: bool = attrs.field(default=False, validator=_bool)
+    use_buffers: bool = attrs.field(default=False, validator=strict_bool)
     #: EMA updates performed so far; restored from checkpoints.
-    num_updates: int = attrs.field(default=0, validator=_int_at_least(0))
-    priority: int = attrs.field(default=50, validator=_int_at_least(None))
+    num_updates: int = attrs.field(default=0, validator=int_at_least(0))
+    priority: int = attrs.field(default=50, validator=int_at_least(None))
 
     _averaged: AveragedModel | None = attrs.field(init=False, default=None, repr=False)
     _models: Mapping[str, torch.nn.Module] | None = attrs.field(init=False, default=None, repr=False)

@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 import nvtrain
+from nvtrain.validators import strict_bool, strict_int
 
 __all__ = ["TorchProfilerHook"]
 
@@ -54,16 +55,6 @@ def _schedule(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> Non
         )
 
 
-def _bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"TorchProfilerHook.{attribute.name} must be True or False (got {value!r})")
-
-
-def _int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"TorchProfilerHook.{attribute.name} must be an int (got {value!r})")
-
-
 @attrs.define(eq=False)
 class TorchProfilerHook:
     """Profiles training with ``torch.profiler`` and writes Chrome traces.
@@ -90,10 +81,10 @@ class TorchProfilerHook:
     activities: tuple[ProfilerActivity, ...] | None = attrs.field(default=None, converter=_as_activities)
     #: ``step -> ProfilerAction`` (``torch.profiler.schedule(...)``); None records everything.
     schedule: Callable[[int], ProfilerAction] | None = attrs.field(default=None, validator=_schedule)
-    record_shapes: bool = attrs.field(default=False, validator=_bool)
-    profile_memory: bool = attrs.field(default=False, validator=_bool)
-    with_flops: bool = attrs.field(default=False, validator=_bool)
-    priority: int = attrs.field(default=50, validator=_int)
+    record_shapes: bool = attrs.field(default=False, validator=strict_bool)
+    profile_memory: bool = attrs.field(default=False, validator=strict_bool)
+    with_flops: bool = attrs.field(default=False, validator=strict_bool)
+    priority: int = attrs.field(default=50, validator=strict_int)
 
     #: Trace files written so far, in order.
     traces: list[Path] = attrs.field(init=False, factory=list, repr=False)

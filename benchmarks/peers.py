@@ -1,0 +1,248 @@
+"""The tiny-MLP workload through other training frameworks, when they are installed.
+
+    python benchmarks/peers.py                 # a table
+    python benchmarks/peers.py --json          # for CI
+    python benchmarks/peers.py --markdown      # rows for docs/benchmarks.md
+
+Runs the same training (MLP 32->64->1, batch 8, SGD lr 0.01, MSE, the same
+pre-made batches, CPU, one intra-op thread) hand-written, through nvtrain, and
+through PyTorch Lightning and PyTorch Ignite if they can be imported, in the same
+process and round-robin. Neither is a dependency of nvtrain: a framework that is
+not installed is listed as skipped, and the script still exits 0.
+
+A framework's run has start-up costs of very different sizes (a Lightning
+``Trainer.fit`` takes much longer to start than a loop), so the figure here is the
+time between consecutive step starts, stamped by each framework's own per-batch
+callback (nvtrain: a BEFORE_BATCH observer; Lightning: ``on_train_batch_start``;
+Ignite: ``ITERATION_STARTED``; the hand-written loop: the top of its loop body).
+Each stamp costs about one function call. The first interval of a run is dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import logging
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import nvtrain
+from nvtrain.benchmarking import TINY_MLP, make_batches, make_model
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+Runner = Callable[[Batches, list[int]], None]
+
+
+def hand_written(batches: Batches, stamps: list[int]) -> None:
+    model = make_model(TINY_MLP)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock, stamp = time.perf_counter_ns, stamps.append
+    for inputs, targets in batches:
+        stamp(clock())
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+    stamp(clock())
+
+
+class _Stamp:
+    """Stamps the start of every micro-batch, before any other observer."""
+
+    plugin_name = "stamp"
+
+    def __init__(self, stamps: list[int]) -> None:
+        self.stamp, self.clock = stamps.append, time.perf_counter_ns
+
+    @nvtrain.hookimpl(tryfirst=True)
+    def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        self.stamp(self.clock())
+
+    @nvtrain.hookimpl
+    def after_training(self, ctx: nvtrain.TrainingContext) -> None:
+        self.stamp(self.clock())
+
+
+def nvtrain_strategy(batches: Batches, stamps: list[int]) -> None:
+    with nvtrain.TrainingStrategy(
+        models=make_model(TINY_MLP),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.01),
+        loss_fn=torch.nn.functional.mse_loss,
+        hooks=[_Stamp(stamps)],
+        num_epochs=1,
+        device="cpu",
+    ) as strategy:
+        strategy.run(batches)
+
+
+def lightning(batches: Batches, stamps: list[int]) -> None:
+    import pytorch_lightning as pl
+
+    _quiet()  # Lightning sets its loggers' levels on import
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = make_model(TINY_MLP)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            inputs, targets = batch
+            return torch.nn.functional.mse_loss(self.model(inputs), targets)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Stamp(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            stamps.append(time.perf_counter_ns())
+
+        def on_train_end(self, *args: Any) -> None:
+            stamps.append(time.perf_counter_ns())
+
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[Stamp()],
+    )
+    trainer.fit(Module(), train_dataloaders=_Iterable(batches))
+
+
+class _Iterable:
+    """The batches as one iterable (Lightning reads a list as several dataloaders)."""
+
+    def __init__(self, batches: Batches) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def ignite(batches: Batches, stamps: list[int]) -> None:
+    from ignite.engine import Events, create_supervised_trainer
+
+    model = make_model(TINY_MLP)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    trainer = create_supervised_trainer(model, optimizer, torch.nn.functional.mse_loss)
+    trainer.add_event_handler(Events.ITERATION_STARTED, lambda engine: stamps.append(time.perf_counter_ns()))
+    trainer.add_event_handler(Events.COMPLETED, lambda engine: stamps.append(time.perf_counter_ns()))
+    trainer.run(batches, max_epochs=1)
+
+
+#: Framework label -> (module that must be importable, runner).
+CANDIDATES: dict[str, tuple[str | None, Runner]] = {
+    "hand-written loop": (None, hand_written),
+    "nvtrain": (None, nvtrain_strategy),
+    "PyTorch Lightning": ("pytorch_lightning", lightning),
+    "PyTorch Ignite": ("ignite", ignite),
+}
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric", "ignite"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def measure(steps: int, rounds: int) -> dict[str, Any]:
+    """Per-step times of every importable candidate, round-robin; skipped ones with the reason."""
+    torch.set_num_threads(1)
+    _quiet()
+    batches = make_batches(TINY_MLP, steps)
+    runners: dict[str, Runner] = {}
+    skipped: dict[str, str] = {}
+    for label, (module, runner) in CANDIDATES.items():
+        if module is not None and importlib.util.find_spec(module) is None:
+            skipped[label] = f"{module} is not installed"
+            continue
+        runners[label] = runner
+    intervals: dict[str, list[int]] = {label: [] for label in runners}
+    labels = list(runners)
+    for index in range(rounds + 1):  # the first round warms up (imports, first-call costs)
+        shift = index % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            stamps: list[int] = []
+            runners[label](batches, stamps)
+            if index:
+                intervals[label].extend(b - a for a, b in zip(stamps[1:], stamps[2:]))
+    base = statistics.median(intervals["hand-written loop"]), min(intervals["hand-written loop"])
+    results = {}
+    for label, values in intervals.items():
+        median, least = statistics.median(values), min(values)
+        results[label] = {
+            "median_us": median / 1e3,
+            "min_us": least / 1e3,
+            "ratio_median": median / base[0],
+            "ratio_min": least / base[1],
+            "steps_measured": len(values),
+        }
+    return {
+        "workload": f"MLP {TINY_MLP.label}, SGD, CPU, 1 thread, {steps} steps per run, {rounds} runs each",
+        "results": results,
+        "skipped": skipped,
+        "versions": _versions(runners),
+    }
+
+
+def _versions(runners: dict[str, Runner]) -> dict[str, str]:
+    versions = {"torch": torch.__version__, "nvtrain": nvtrain.__version__}
+    for label, module in (("PyTorch Lightning", "pytorch_lightning"), ("PyTorch Ignite", "ignite")):
+        if label in runners:
+            versions[label] = getattr(sys.modules.get(module), "__version__", "?")
+    return versions
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300, help="steps per run (default 300)")
+    parser.add_argument("--rounds", type=int, default=5, help="runs per framework after a warm-up run (default 5)")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print JSON")
+    output.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = parser.parse_args(argv)
+    if args.steps < 3 or args.rounds < 1:
+        parser.error("--steps must be >= 3 and --rounds >= 1")
+    report = measure(args.steps, args.rounds)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    rows = report["results"]
+    if args.markdown:
+        print("| framework | median per step | min per step | ratio (median) | ratio (min) |")
+        print("| --- | --- | --- | --- | --- |")
+        for label, row in rows.items():
+            print(
+                f"| {label} | {row['median_us']:.1f} us | {row['min_us']:.1f} us | "
+                f"{row['ratio_median']:.2f}x | {row['ratio_min']:.2f}x |"
+            )
+    else:
+        print(report["workload"])
+        for label, row in rows.items():
+            print(
+                f"  {label:20s} {row['median_us']:9.1f} us/step (min {row['min_us']:.1f})  "
+                f"{row['ratio_median']:5.2f}x (min {row['ratio_min']:.2f}x)"
+            )
+    for label, why in report["skipped"].items():
+        print(f"skipped {label}: {why}")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

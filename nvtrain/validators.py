@@ -1,0 +1,96 @@
+"""Attrs validators for configuration classes, so bad values fail alike everywhere.
+
+Each factory returns a validator whose error names the class and field, what was
+expected and what came: ``EMAHook.decay must be in [0.0, 1.0) (got 1.5)``. A wrong
+value raises ``ValueError``; the ``strict_*`` checks, which are about the type
+only, raise ``TypeError``. ``bool`` is never taken for a number.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "float_in_range",
+    "int_at_least",
+    "number_above",
+    "optional_int_at_least",
+    "optional_number_above",
+    "strict_bool",
+    "strict_int",
+]
+
+Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _validator(
+    expected: str, accepts: Callable[[Any], bool], *, or_none: bool = False, error: type[Exception] = ValueError
+) -> Validator:
+    if or_none:
+        expected += " or None"
+
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if (value is None and or_none) or accepts(value):
+            return
+        raise error(f"{type(instance).__name__}.{attribute.name} must be {expected} (got {value!r})")
+
+    return check
+
+
+def int_at_least(minimum: int | None) -> Validator:
+    """An int (not a bool) >= ``minimum``; any int when ``minimum`` is None."""
+    if minimum is None:
+        return _validator("an int", _is_int)
+    return _validator(f"an int >= {minimum}", lambda v: _is_int(v) and v >= minimum)
+
+
+def optional_int_at_least(minimum: int) -> Validator:
+    """None, or an int (not a bool) >= ``minimum``."""
+    return _validator(f"an int >= {minimum}", lambda v: _is_int(v) and v >= minimum, or_none=True)
+
+
+def number_above(bound: float, *, finite: bool = False, example: str | None = None) -> Validator:
+    """An int or float > ``bound`` (never NaN); ``finite`` also refuses infinity.
+
+    ``example`` is appended to the message, e.g. ``"2.0 or float('inf')"``.
+    """
+    expected = f"a {'finite ' if finite else ''}number > {bound}"
+    if example:
+        expected += f", e.g. {example}"
+    return _validator(expected, lambda v: _is_number(v) and v > bound and not (finite and math.isinf(v)))
+
+
+def optional_number_above(bound: float) -> Validator:
+    """None, or an int or float > ``bound`` (never NaN)."""
+    return _validator(f"a number > {bound}", lambda v: _is_number(v) and v > bound, or_none=True)
+
+
+def float_in_range(low: float, high: float, *, include_low: bool = False, include_high: bool = False) -> Validator:
+    """An int or float between ``low`` and ``high``, each bound excluded unless included (never NaN)."""
+    interval = f"{'[' if include_low else '('}{low}, {high}{']' if include_high else ')'}"
+
+    def accepts(v: Any) -> bool:
+        if not _is_number(v):
+            return False
+        return (low <= v if include_low else low < v) and (v <= high if include_high else v < high)
+
+    return _validator(f"in {interval}", accepts)
+
+
+#: True or False, nothing else (not 0 or 1); raises ``TypeError``.
+strict_bool: Validator = _validator("True or False", lambda v: isinstance(v, bool), error=TypeError)
+
+#: Any int (not a bool); raises ``TypeError``.
+strict_int: Validator = _validator("an int", _is_int, error=TypeError)

@@ -1,0 +1,200 @@
+"""`nvtrain bench dispatch` and the measuring helpers behind it: structure and semantics, never timings."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nvtrain import benchmarking
+from nvtrain.cli import main
+from nvtrain.stages import BATCH_STAGES, REPLACEMENT_STAGES, TrainingStage
+
+TINY = ["--quick", "--json", "--steps", "3", "--rounds", "1"]
+
+
+def bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any] | None, str]:
+    code = main(["bench", "dispatch", *args])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if code == 0 and "--json" in args else None), err
+
+
+# -- the command -------------------------------------------------------------------------------------
+
+
+def test_report_lists_every_stage_with_its_implementations_and_calls(capsys: pytest.CaptureFixture[str]) -> None:
+    code, report, _ = bench(capsys, *TINY, "--hooks", "ema,clip")
+    assert code == 0 and report is not None
+    stages = {row["stage"]: row for row in report["stages"]}
+    assert list(stages) == [stage.hook_name for stage in TrainingStage]
+    for stage in TrainingStage:
+        row = stages[stage.hook_name]
+        if stage in BATCH_STAGES:
+            assert row["calls"] == 3 and row["per_micro_batch"] is True
+            assert row["median_ns"] is not None and row["min_ns"] <= row["median_ns"]
+    assert stages["after_validation"]["calls"] == 0 and stages["after_validation"]["median_ns"] is None
+    assert stages["setup"]["calls"] == stages["before_training"]["calls"] == stages["after_training"]["calls"] == 1
+    # the orchestrator owns the update stages; the update hooks it runs are listed per stage
+    assert stages["after_optimizer_step"]["update_hooks"] == ["ema"]
+    assert stages["do_optimizer_step"]["update_hooks"] == ["clip"]
+    assert stages["do_backward"]["implementations"] == ["nvtrain.orchestrator"]
+    assert stages["do_backward"]["includes"] == "backward()"
+    assert stages["do_optimizer_step"]["includes"] == "optimizer step"
+    assert stages["before_forward"]["implementations"] == [] and stages["before_forward"]["includes"] is None
+    assert "ema" in stages["setup"]["implementations"]  # EMAHook also observes SETUP and BEFORE_TRAINING
+    assert [h["name"] for h in report["hooks"]] == ["ema", "clip"]
+    assert {h["kind"] for h in report["hooks"]} == {"update hook"}
+
+
+def test_report_compares_bare_loop_framework_and_stack(capsys: pytest.CaptureFixture[str]) -> None:
+    code, report, _ = bench(capsys, *TINY, "--hooks", "clip")
+    assert code == 0 and report is not None
+    assert list(report["per_step_us"]) == ["bare loop", "nvtrain, no hooks", "nvtrain, your hooks"]
+    assert set(report["ratios"]) == {"nvtrain, no hooks", "nvtrain, your hooks"}
+    for name, figures in report["per_step_us"].items():
+        assert figures["min"] <= figures["median"], name
+    yours, framework = report["per_step_us"]["nvtrain, your hooks"], report["per_step_us"]["nvtrain, no hooks"]
+    assert report["hooks_overhead_us"]["median"] == pytest.approx(yours["median"] - framework["median"])
+    assert set(report["sweep_ns"]) == {"observer_stages", "update_stages", "do_slots", "once_per_run"}
+    assert (report["steps"], report["rounds"], report["threads"], report["device"]) == (3, 1, 1, "cpu")
+
+
+def test_no_hooks_measures_the_framework_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    code, report, _ = bench(capsys, *TINY)
+    assert code == 0 and report is not None
+    assert report["hooks"] == [] and report["source"] == "no hooks"
+    assert list(report["per_step_us"]) == ["bare loop", "nvtrain, no hooks"]
+    assert "hooks_overhead_us" not in report
+
+
+def test_threads_are_restored(capsys: pytest.CaptureFixture[str]) -> None:
+    before = torch.get_num_threads()
+    code, report, _ = bench(capsys, *TINY, "--threads", "1")
+    assert code == 0 and report is not None and report["threads"] == 1
+    assert torch.get_num_threads() == before
+
+
+def test_text_output_has_the_stage_table_and_the_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "dispatch", "--quick", "--steps", "3", "--rounds", "1", "--hooks", "clip"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "before_batch" in out and "includes backward()" in out
+    assert "bare loop" in out and "nvtrain, your hooks" in out and "your hooks add" in out
+
+
+def test_unknown_hook_is_a_usage_error_naming_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = bench(capsys, *TINY, "--hooks", "clip,no_such_hook")
+    assert code == 2
+    assert "--hooks clip,no_such_hook" in err and "no_such_hook" in err and "hooks[1]" in err
+
+
+def test_bad_setting_is_refused_by_the_hook_validator(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = bench(capsys, *TINY, "--hooks", "ema", "--set", "hooks.ema.decay=1.5")
+    assert code == 2
+    assert "EMAHook.decay must be in [0.0, 1.0) (got 1.5)" in err
+
+
+def test_required_settings_get_bench_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    code, report, _ = bench(capsys, *TINY, "--hooks", "clip")  # clip needs max_norm or max_value
+    assert code == 0 and report is not None
+    code, _, err = bench(capsys, *TINY, "--hooks", "accumulate")
+    assert code == 2 and "steps" in err
+
+
+def test_config_hooks_are_built_like_a_run_and_write_nothing_in_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "model: {factory: 'torch.nn:Linear', kwargs: {in_features: 4, out_features: 1}}\n"
+        "data: {factory: 'builtins:dict'}\n"
+        f"output_dir: {json.dumps(str(runs))}\n"
+        "logging: {csv: true, tensorboard: false, plot: false, progress_bar: true}\n"
+        "hooks:\n  - {name: ema, decay: 0.9}\n",
+        encoding="utf-8",
+    )
+    code, report, _ = bench(capsys, *TINY, "--config", str(config), "--hooks", "clip")
+    assert code == 0 and report is not None
+    names = [h["name"] for h in report["hooks"]]
+    assert names[:2] == ["ema", "clip"]  # the config's hooks, then --hooks
+    assert "csv_logger" in names and "progress_bar" not in names
+    assert report["source"] == f"config {config} + --hooks clip"
+    assert not runs.exists()  # the run directory went to a temporary folder
+    code, _, err = bench(capsys, *TINY, "--config", str(config), "--set", "hooks.ema.decay=2")
+    assert code == 2 and "EMAHook.decay" in err
+
+
+def test_missing_config_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = bench(capsys, *TINY, "--config", str(tmp_path / "absent.yaml"))
+    assert code == 2 and "absent.yaml" in err
+
+
+def test_bad_counts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = bench(capsys, "--steps", "1")
+    assert code == 2 and "--steps" in err
+
+
+# -- the measuring helpers --------------------------------------------------------------------------
+
+
+def test_measure_reports_per_unit_and_rotates_the_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    ticks = iter(range(0, 10**9, 1000))
+    monkeypatch.setattr(time, "perf_counter_ns", lambda: next(ticks))
+    order: list[str] = []
+    workloads = {
+        name: benchmarking.Workload(lambda state, name=name: order.append(name), repeats=4, units=5)
+        for name in ("a", "b", "c")
+    }
+    timings = benchmarking.measure(workloads, rounds=3, warmup=1)
+    # one clock read before and one after each timed block: 1000 ns per block of 4 runs of 5 units
+    assert {name: t.per_unit_ns for name, t in timings.items()} == {n: (50.0,) * 3 for n in "abc"}
+    starts = [order[i] for i in range(0, len(order), 4)]
+    assert starts == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+
+
+def test_noop_observer_implements_exactly_the_observer_stages() -> None:
+    bus = benchmarking.HookBus()
+    bus.register(benchmarking.noop_observer())
+    implemented = {stage for stage in TrainingStage if bus.implementations(stage)}
+    assert implemented == set(TrainingStage) - REPLACEMENT_STAGES
+    assert len(benchmarking.OBSERVER_STAGES) == 16
+
+
+def test_sweeps_call_every_implementation_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    original = benchmarking._noop
+
+    def counting(self: object, ctx: Any) -> None:
+        calls.append("x")
+        return original(self, ctx)
+
+    monkeypatch.setattr(benchmarking._NoopObserver, "before_batch", benchmarking.hookimpl(counting))
+    for kind, workload in benchmarking.dispatch_workloads(3, repeats=1).items():
+        calls.clear()
+        workload.run(None)
+        assert len(calls) == 3, kind
+
+
+def test_update_path_sweeps_run_every_update_hook_on_its_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[TrainingStage] = []
+
+    def record(self: object, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
+        seen.append(stage)
+        return True, ctx.loss
+
+    monkeypatch.setattr(benchmarking.NoopUpdateHook, "__call__", record)
+    for kind, workload in benchmarking.update_path_workloads(2, repeats=1).items():
+        seen.clear()
+        workload.run(None)
+        assert sorted(seen) == sorted([s for s in TrainingStage if s in benchmarking.UPDATE_STAGES] * 2), kind
+
+
+def test_inert_loss_backward_does_nothing() -> None:
+    loss = benchmarking.inert_loss()
+    assert isinstance(loss, torch.Tensor)
+    assert loss.backward() is None

@@ -1,0 +1,73 @@
+"""The shared attrs validators: what they accept, and errors that name class, field, expectation and value."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import pytest
+
+from nvtrain.validators import (
+    float_in_range,
+    int_at_least,
+    number_above,
+    optional_int_at_least,
+    optional_number_above,
+    strict_bool,
+    strict_int,
+)
+
+
+def settings(validator: Any) -> type:
+    @attrs.define
+    class Settings:
+        value: Any = attrs.field(validator=validator)
+
+    return Settings
+
+
+@pytest.mark.parametrize(
+    ("validator", "good", "bad", "error", "message"),
+    [
+        (int_at_least(1), [1, 7], [0, 1.0, True, None, "2"], ValueError, "an int >= 1"),
+        (int_at_least(None), [-3, 0, 9], [1.5, False, None], ValueError, "an int"),
+        (optional_int_at_least(0), [None, 0, 4], [-1, 2.0, True], ValueError, "an int >= 0 or None"),
+        (number_above(0), [1, 0.5, math.inf], [0, -1.0, math.nan, True, "1"], ValueError, "a number > 0"),
+        (number_above(0, finite=True), [2, 1e300], [math.inf, 0.0], ValueError, "a finite number > 0"),
+        (
+            number_above(0, example="2.0 or float('inf')"),
+            [math.inf],
+            [0],
+            ValueError,
+            "a number > 0, e.g. 2.0 or float('inf')",
+        ),
+        (number_above(1.0), [1.5], [1.0, 1], ValueError, "a number > 1.0"),
+        (optional_number_above(0), [None, 3.0], [0.0, math.nan, False], ValueError, "a number > 0 or None"),
+        (float_in_range(0.0, 1.0), [0.5], [0.0, 1.0, math.nan, True], ValueError, "in (0.0, 1.0)"),
+        (float_in_range(0.0, 1.0, include_low=True), [0.0, 0.999], [1.0, -0.1, "0.9"], ValueError, "in [0.0, 1.0)"),
+        (float_in_range(0, 1, include_high=True), [1, 0.3], [0, 1.1], ValueError, "in (0, 1]"),
+        (strict_bool, [True, False], [1, 0, None, "yes"], TypeError, "True or False"),
+        (strict_int, [0, -5], [1.0, True, "3"], TypeError, "an int"),
+    ],
+)
+def test_accepts_the_good_and_names_the_bad(
+    validator: Any, good: list[Any], bad: list[Any], error: type[Exception], message: str
+) -> None:
+    cls = settings(validator)
+    for value in good:
+        assert cls(value).value == value
+    for value in bad:
+        with pytest.raises(error) as caught:
+            cls(value)
+        assert str(caught.value) == f"Settings.value must be {message} (got {value!r})"
+
+
+def test_the_message_names_the_subclass_that_failed() -> None:
+    base = settings(int_at_least(1))
+
+    class Tuned(base):  # type: ignore[misc, valid-type]
+        pass
+
+    with pytest.raises(ValueError, match=r"^Tuned\.value must be an int >= 1 \(got 0\)$"):
+        Tuned(0)
