@@ -60,16 +60,58 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             continue
         groups.setdefault(bench.group or "", []).append(bench)
     terminalreporter.write_sep("-", "ratios against each group's baseline (median; min in brackets)")
+    per = _per_unit
     for group, benches in sorted(groups.items()):
+        for bench in benches:
+            _comparison(terminalreporter, group, bench.extra_info.get("comparison"))
         baseline = next((b for b in benches if "baseline" in b.name), None)
         if baseline is None:
             continue
         base, base_min = baseline.stats.median, baseline.stats.min
-        terminalreporter.write_line(f"[{group}] baseline {baseline.name}: {base * 1e6:.2f} us")
+        unit = "per step" if baseline.extra_info.get("steps") else "per call"
+        terminalreporter.write_line(f"[{group}] baseline {baseline.name}: {per(baseline, base):.2f} us {unit}")
         for bench in sorted(benches, key=lambda b: b.stats.median):
             if bench is baseline:
                 continue
             ratio, ratio_min = bench.stats.median / base, bench.stats.min / base_min
             terminalreporter.write_line(
-                f"    {bench.name:60s} {bench.stats.median * 1e6:10.2f} us  {ratio:6.3f}x  ({ratio_min:.3f}x)"
+                f"    {bench.name:60s} {per(bench, bench.stats.median):10.2f} us  {ratio:6.3f}x  ({ratio_min:.3f}x)"
             )
+        _step_ratios(terminalreporter, baseline, benches)
+
+
+def _comparison(terminalreporter: Any, group: str, result: dict[str, Any] | None) -> None:
+    """An interleaved loop comparison (``nvtrain.benchmarking.compare_loops``), per step."""
+    if not result:
+        return
+    terminalreporter.write_line(
+        f"[{group}] {result['steps']} steps x {result['rounds']} rounds; us per step: run median, run min, "
+        "single-step p10; ratios to the first"
+    )
+    for name, loop in result["loops"].items():
+        ratio = result["ratios"][name]
+        terminalreporter.write_line(
+            f"    {name:36s} {loop['run_us']['median']:10.1f} {loop['run_us']['min']:10.1f} "
+            f"{loop['step_us']['p10']:10.1f}   {ratio['run_median']:.3f}x  {ratio['run_min']:.3f}x  "
+            f"{ratio['step_p10']:.3f}x"
+        )
+
+
+def _step_ratios(terminalreporter: Any, baseline: Any, benches: list[Any]) -> None:
+    """For loop groups: ratios of single-step times (from StampedBatches), the steadier figures."""
+    base = baseline.extra_info.get("step_us")
+    if not base:
+        return
+    figures = " / ".join(f"{base[key]:.1f}" for key in ("median", "p10", "min"))
+    terminalreporter.write_line(f"    single steps (median / p10 / min), baseline {figures} us:")
+    for bench in benches:
+        step = bench.extra_info.get("step_us")
+        if bench is baseline or not step:
+            continue
+        ratios = " / ".join(f"{step[key] / base[key]:.3f}x" for key in ("median", "p10", "min"))
+        terminalreporter.write_line(f"      {bench.name:58s} {ratios}")
+
+
+def _per_unit(bench: Any, seconds: float) -> float:
+    """Microseconds per step for loop benchmarks (a round is ``steps`` steps), else per call."""
+    return seconds * 1e6 / (bench.extra_info.get("steps") or 1)

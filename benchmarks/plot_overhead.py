@@ -96,29 +96,68 @@ def plot(benchmarks: list[dict[str, Any]], output: Path, machine: str) -> Path:
 
 
 def tables(benchmarks: list[dict[str, Any]]) -> str:
-    """One markdown table per group: median, min, and both as ratios of the group's baseline."""
+    """One markdown table per group: median, min, and both as ratios of the group's baseline.
+
+    Loop groups (whose benchmarks record ``steps``) are given per step, with the
+    single-step median and 10th percentile from ``extra_info["step_us"]`` beside them.
+    """
     groups: dict[str, list[dict[str, Any]]] = {}
     for bench in benchmarks:
         groups.setdefault(bench.get("group") or "", []).append(bench)
     lines: list[str] = []
     for group, members in sorted(groups.items()):
+        for bench in members:
+            lines += _comparison_table(group, bench.get("extra_info", {}).get("comparison"))
         baseline = next((b for b in members if "baseline" in b["name"]), None)
         if baseline is None:
             continue
-        steps = baseline.get("extra_info", {}).get("steps")
+        base_info = baseline.get("extra_info", {})
+        steps = base_info.get("steps")
+        base_step = base_info.get("step_us")
         unit = "per step" if steps else "per call"
-        lines += [f"**{group}**", "", f"| benchmark | median {unit} | min {unit} | ratio (median) | ratio (min) |"]
-        lines.append("| --- | --- | --- | --- | --- |")
+        header = f"| benchmark | median {unit} | min {unit} | ratio (median) | ratio (min) |"
+        rule = "| --- | --- | --- | --- | --- |"
+        if base_step:
+            header += " single step: median | p10 | ratio (median) | ratio (p10) |"
+            rule += " --- | --- | --- | --- |"
+        lines += [f"**{group}**", "", header, rule]
         base = baseline["stats"]
         for bench in sorted(members, key=lambda b: (b is not baseline, b["stats"]["median"])):
-            stats = bench["stats"]
-            divisor = bench.get("extra_info", {}).get("steps") or 1
-            lines.append(
+            stats, info = bench["stats"], bench.get("extra_info", {})
+            divisor = info.get("steps") or 1
+            row = (
                 f"| {bench['name']} | {_us(stats['median'] / divisor)} | {_us(stats['min'] / divisor)} | "
                 f"{stats['median'] / base['median']:.3f}x | {stats['min'] / base['min']:.3f}x |"
             )
+            step = info.get("step_us")
+            if base_step and step:
+                row += (
+                    f" {_us(step['median'] / 1e6)} | {_us(step['p10'] / 1e6)} | "
+                    f"{step['median'] / base_step['median']:.3f}x | {step['p10'] / base_step['p10']:.3f}x |"
+                )
+            lines.append(row)
         lines.append("")
     return "\n".join(lines)
+
+
+def _comparison_table(group: str, result: dict[str, Any] | None) -> list[str]:
+    if not result:
+        return []
+    lines = [
+        f"**{group}** ({result['steps']} steps x {result['rounds']} rounds, round-robin)",
+        "",
+        "| loop | run: median per step | run: min | single step: p10 | ratio (run median) | ratio (run min) "
+        "| ratio (step p10) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, loop in result["loops"].items():
+        ratio = result["ratios"][name]
+        lines.append(
+            f"| {name} | {_us(loop['run_us']['median'] / 1e6)} | {_us(loop['run_us']['min'] / 1e6)} | "
+            f"{_us(loop['step_us']['p10'] / 1e6)} | {ratio['run_median']:.3f}x | {ratio['run_min']:.3f}x | "
+            f"{ratio['step_p10']:.3f}x |"
+        )
+    return [*lines, ""]
 
 
 def _us(seconds: float) -> str:

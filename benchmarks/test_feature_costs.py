@@ -145,6 +145,7 @@ def _group() -> str:
 
 
 @pytest.mark.skipif(not _installed("ddp"), reason="needs the nvtrain-ddp plugin")
+@pytest.mark.filterwarnings("ignore:DDPHook. no distributed sampler was injected")  # a list of batches, one rank
 def test_ddp_accumulation_allreduces(benchmark: Any, scale: Any, world_of_one: None) -> None:
     batches = make_batches(TINY_MLP, STEPS * ACCUMULATION)
     counters: list[_AllReduceCounter] = []

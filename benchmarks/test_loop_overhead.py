@@ -12,7 +12,10 @@ Targets on the tiny model: no plugins <= 1.05x, 5 observers <= 1.15x.
 
 A round builds a fresh model (and strategy), takes one untimed warm-up step, then
 times a whole ``run()`` over STEPS batches: every step plus the run's own start
-and end (step scheduler, BEFORE_/AFTER_TRAINING), divided by STEPS.
+and end (step scheduler, BEFORE_/AFTER_TRAINING), divided by STEPS. The batches
+also stamp the clock as each is handed out (``StampedBatches``), which gives
+per-step figures (median, 10th percentile, min) in ``extra_info["step_us"]``:
+on a busy machine their low percentiles are the steadier estimate.
 
     python -m pytest benchmarks/test_loop_overhead.py
 """
@@ -30,7 +33,9 @@ from nvtrain.benchmarking import (
     LARGE_MLP,
     TINY_MLP,
     MLPSpec,
+    StampedBatches,
     Workload,
+    compare_loops,
     hand_written_workload,
     make_batches,
     noop_observer,
@@ -51,7 +56,7 @@ def _group(model: str, spec: MLPSpec) -> str:
     return f"loop: {model} MLP {spec.label}"
 
 
-def _time(benchmark: Any, workload: Workload, rounds: int, **info: Any) -> None:
+def _time(benchmark: Any, workload: Workload, batches: StampedBatches, rounds: int, **info: Any) -> None:
     benchmark.extra_info.update(suite="loop", steps=workload.units, **info)
 
     def setup() -> tuple[tuple[Any], dict[str, Any]]:
@@ -62,34 +67,35 @@ def _time(benchmark: Any, workload: Workload, rounds: int, **info: Any) -> None:
             workload.cleanup(state)
 
     benchmark.pedantic(workload.run, setup=setup, teardown=teardown, rounds=rounds, warmup_rounds=1)
-    # pytest-benchmark times the round; report per step as well
-    benchmark.extra_info["per_step_us_median"] = benchmark.stats.stats.median / workload.units * 1e6
-    benchmark.extra_info["per_step_us_min"] = benchmark.stats.stats.min / workload.units * 1e6
+    benchmark.extra_info["step_us"] = {key: ns / 1e3 for key, ns in batches.step_figures().items()}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_hand_written_baseline(benchmark: Any, scale: Any, model: str) -> None:
     steps, rounds = _steps_and_rounds(model, scale)
     spec = MODELS[model]
+    batches = StampedBatches(make_batches(spec, steps))
     benchmark.group = _group(model, spec)
-    _time(benchmark, hand_written_workload(spec, make_batches(spec, steps)), rounds, model=model, kind="hand")
+    _time(benchmark, hand_written_workload(spec, batches), batches, rounds, model=model, kind="hand")
 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_strategy_no_plugins(benchmark: Any, scale: Any, model: str) -> None:
     steps, rounds = _steps_and_rounds(model, scale)
     spec = MODELS[model]
+    batches = StampedBatches(make_batches(spec, steps))
     benchmark.group = _group(model, spec)
-    _time(benchmark, strategy_workload(spec, make_batches(spec, steps)), rounds, model=model, kind="nvtrain")
+    _time(benchmark, strategy_workload(spec, batches), batches, rounds, model=model, kind="nvtrain")
 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_strategy_five_noop_observers(benchmark: Any, scale: Any, model: str) -> None:
     steps, rounds = _steps_and_rounds(model, scale)
     spec = MODELS[model]
+    batches = StampedBatches(make_batches(spec, steps))
     benchmark.group = _group(model, spec)
-    workload = strategy_workload(spec, make_batches(spec, steps), lambda: [noop_observer() for _ in range(5)])
-    _time(benchmark, workload, rounds, model=model, kind="nvtrain+5 observers")
+    workload = strategy_workload(spec, batches, lambda: [noop_observer() for _ in range(5)])
+    _time(benchmark, workload, batches, rounds, model=model, kind="nvtrain+5 observers")
 
 
 def _direct_pluggy_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Any, Any, int], None]:
@@ -97,7 +103,9 @@ def _direct_pluggy_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     hooks = nvtrain.HookBus().pluggy.hook
     stage = {s: getattr(hooks, s.hook_name) for s in BATCH_STAGES}
     before = [stage[s] for s in (TrainingStage.BEFORE_BATCH,)]
-    forward_loss = [stage[s] for s in sorted(BATCH_STAGES) if TrainingStage.BEFORE_FORWARD <= s <= TrainingStage.BEFORE_BACKWARD]
+    forward_loss = [
+        stage[s] for s in sorted(BATCH_STAGES) if TrainingStage.BEFORE_FORWARD <= s <= TrainingStage.BEFORE_BACKWARD
+    ]
     after = [stage[s] for s in sorted(BATCH_STAGES) if s >= TrainingStage.DO_BACKWARD]
     mse_loss = torch.nn.functional.mse_loss
     ctx = object()
@@ -121,6 +129,33 @@ def _direct_pluggy_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 def test_hand_written_plus_direct_pluggy_calls(benchmark: Any, scale: Any, model: str) -> None:
     steps, rounds = _steps_and_rounds(model, scale)
     spec = MODELS[model]
+    batches = StampedBatches(make_batches(spec, steps))
     benchmark.group = _group(model, spec)
-    workload = hand_written_workload(spec, make_batches(spec, steps), make_step=_direct_pluggy_step)
-    _time(benchmark, workload, rounds, model=model, kind="hand+pluggy")
+    workload = hand_written_workload(spec, batches, make_step=_direct_pluggy_step)
+    _time(benchmark, workload, batches, rounds, model=model, kind="hand+pluggy")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_interleaved_comparison(benchmark: Any, scale: Any, model: str) -> None:
+    """The four loops above, round-robin in one test: ratios a drifting machine skews far less.
+
+    pytest-benchmark's own figure here is the whole comparison; the per-loop results
+    and ratios are in ``extra_info["comparison"]``.
+    """
+    steps, rounds = _steps_and_rounds(model, scale)
+    spec = MODELS[model]
+    loops: dict[str, Callable[[StampedBatches], Workload]] = {
+        "hand-written loop": lambda data: hand_written_workload(spec, data),
+        "nvtrain, no plugins": lambda data: strategy_workload(spec, data),
+        "nvtrain, 5 no-op observers": lambda data: strategy_workload(
+            spec, data, lambda: [noop_observer() for _ in range(5)]
+        ),
+        "hand-written + direct pluggy calls": lambda data: hand_written_workload(
+            spec, data, make_step=_direct_pluggy_step
+        ),
+    }
+    benchmark.group = "interleaved " + _group(model, spec)
+    result = benchmark.pedantic(
+        compare_loops, args=(loops, make_batches(spec, steps)), kwargs={"rounds": rounds}, rounds=1, iterations=1
+    )
+    benchmark.extra_info.update(suite="loop-interleaved", model=model, comparison=result)

@@ -12,7 +12,9 @@ checkpoint steps cost it more.
 
 A round builds a fresh model, stack and temporary directory, takes one untimed
 warm-up step, then times a run over STEPS batches (the tiny model: saves at steps
-100 and 200 and at the end; the larger one: the end-of-run save only).
+100 and 200 and at the end; the larger one: the end-of-run save only). Per-step
+figures from ``StampedBatches`` are in ``extra_info["step_us"]``; the checkpoint
+steps are among them (single steps, so they do not move the median).
 
     python -m pytest benchmarks/test_loop_stacks.py
 """
@@ -35,7 +37,9 @@ from nvtrain.benchmarking import (
     LARGE_MLP,
     TINY_MLP,
     MLPSpec,
+    StampedBatches,
     Workload,
+    compare_loops,
     hand_written_workload,
     make_batches,
     strategy_workload,
@@ -122,7 +126,9 @@ def _group(model: str, spec: MLPSpec, precision: str) -> str:
     return f"stack: {model} MLP {spec.label}, {precision}"
 
 
-def _time(benchmark: Any, workload: Workload, rounds: int, directory: Path, **info: Any) -> None:
+def _time(
+    benchmark: Any, workload: Workload, batches: StampedBatches, rounds: int, directory: Path, **info: Any
+) -> None:
     benchmark.extra_info.update(suite="stack", steps=workload.units, **info)
 
     def setup() -> tuple[tuple[Any], dict[str, Any]]:
@@ -135,8 +141,7 @@ def _time(benchmark: Any, workload: Workload, rounds: int, directory: Path, **in
             workload.cleanup(state)
 
     benchmark.pedantic(workload.run, setup=setup, teardown=teardown, rounds=rounds, warmup_rounds=1)
-    benchmark.extra_info["per_step_us_median"] = benchmark.stats.stats.median / workload.units * 1e6
-    benchmark.extra_info["per_step_us_min"] = benchmark.stats.stats.min / workload.units * 1e6
+    benchmark.extra_info["step_us"] = {key: ns / 1e3 for key, ns in batches.step_figures().items()}
 
 
 @pytest.fixture
@@ -151,10 +156,11 @@ def scratch() -> Any:
 def test_hand_written_stack_baseline(benchmark: Any, scale: Any, scratch: Path, model: str, precision: str) -> None:
     steps, rounds = _steps_and_rounds(model, scale)
     spec = MODELS[model]
+    batches = StampedBatches(make_batches(spec, steps))
     benchmark.group = _group(model, spec, precision)
     make_step = hand_written_stack(precision, scratch, last_step=steps + 1)
-    workload = hand_written_workload(spec, make_batches(spec, steps), make_step=make_step)
-    _time(benchmark, workload, rounds, scratch, model=model, precision=precision, kind="hand stack")
+    workload = hand_written_workload(spec, batches, make_step=make_step)
+    _time(benchmark, workload, batches, rounds, scratch, model=model, precision=precision, kind="hand stack")
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
@@ -162,6 +168,40 @@ def test_hand_written_stack_baseline(benchmark: Any, scale: Any, scratch: Path, 
 def test_strategy_standard_stack(benchmark: Any, scale: Any, scratch: Path, model: str, precision: str) -> None:
     steps, rounds = _steps_and_rounds(model, scale)
     spec = MODELS[model]
+    batches = StampedBatches(make_batches(spec, steps))
     benchmark.group = _group(model, spec, precision)
-    workload = strategy_workload(spec, make_batches(spec, steps), lambda: standard_stack(precision, scratch))
-    _time(benchmark, workload, rounds, scratch, model=model, precision=precision, kind="nvtrain stack")
+    workload = strategy_workload(spec, batches, lambda: standard_stack(precision, scratch))
+    _time(benchmark, workload, batches, rounds, scratch, model=model, precision=precision, kind="nvtrain stack")
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_interleaved_comparison(benchmark: Any, scale: Any, scratch: Path, model: str, precision: str) -> None:
+    """Bare loop, hand-written stack and nvtrain stack round-robin in one test (``extra_info["comparison"]``)."""
+    steps, rounds = _steps_and_rounds(model, scale)
+    spec = MODELS[model]
+
+    def fresh(name: str) -> Path:
+        folder = scratch / name
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        return folder
+
+    loops: dict[str, Callable[[StampedBatches], Workload]] = {
+        "hand-written stack": lambda data: hand_written_workload(
+            spec,
+            data,
+            make_step=lambda model, optimizer: hand_written_stack(precision, fresh("hand"), steps + 1)(
+                model, optimizer
+            ),
+        ),
+        "nvtrain, standard stack": lambda data: strategy_workload(
+            spec, data, lambda: standard_stack(precision, fresh("nvtrain"))
+        ),
+        "bare hand-written loop": lambda data: hand_written_workload(spec, data),
+    }
+    benchmark.group = "interleaved " + _group(model, spec, precision)
+    result = benchmark.pedantic(
+        compare_loops, args=(loops, make_batches(spec, steps)), kwargs={"rounds": rounds}, rounds=1, iterations=1
+    )
+    benchmark.extra_info.update(suite="stack-interleaved", model=model, precision=precision, comparison=result)

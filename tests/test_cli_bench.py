@@ -14,7 +14,7 @@ from nvtrain import benchmarking
 from nvtrain.cli import main
 from nvtrain.stages import BATCH_STAGES, REPLACEMENT_STAGES, TrainingStage
 
-TINY = ["--quick", "--json", "--steps", "3", "--rounds", "1"]
+TINY = ["--quick", "--json", "--steps", "4", "--rounds", "1"]
 
 
 def bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any] | None, str]:
@@ -34,7 +34,7 @@ def test_report_lists_every_stage_with_its_implementations_and_calls(capsys: pyt
     for stage in TrainingStage:
         row = stages[stage.hook_name]
         if stage in BATCH_STAGES:
-            assert row["calls"] == 3 and row["per_micro_batch"] is True
+            assert row["calls"] == 4 and row["per_micro_batch"] is True
             assert row["median_ns"] is not None and row["min_ns"] <= row["median_ns"]
     assert stages["after_validation"]["calls"] == 0 and stages["after_validation"]["median_ns"] is None
     assert stages["setup"]["calls"] == stages["before_training"]["calls"] == stages["after_training"]["calls"] == 1
@@ -56,11 +56,15 @@ def test_report_compares_bare_loop_framework_and_stack(capsys: pytest.CaptureFix
     assert list(report["per_step_us"]) == ["bare loop", "nvtrain, no hooks", "nvtrain, your hooks"]
     assert set(report["ratios"]) == {"nvtrain, no hooks", "nvtrain, your hooks"}
     for name, figures in report["per_step_us"].items():
-        assert figures["min"] <= figures["median"], name
+        assert figures["run_us"]["min"] <= figures["run_us"]["median"], name
+        assert figures["step_us"]["min"] <= figures["step_us"]["p10"] <= figures["step_us"]["median"], name
+    assert set(report["ratios"]["nvtrain, no hooks"]) == {"run_median", "run_min", "step_median", "step_p10"}
     yours, framework = report["per_step_us"]["nvtrain, your hooks"], report["per_step_us"]["nvtrain, no hooks"]
-    assert report["hooks_overhead_us"]["median"] == pytest.approx(yours["median"] - framework["median"])
+    assert report["hooks_overhead_us"]["run_median"] == pytest.approx(
+        yours["run_us"]["median"] - framework["run_us"]["median"]
+    )
     assert set(report["sweep_ns"]) == {"observer_stages", "update_stages", "do_slots", "once_per_run"}
-    assert (report["steps"], report["rounds"], report["threads"], report["device"]) == (3, 1, 1, "cpu")
+    assert (report["steps"], report["rounds"], report["threads"], report["device"]) == (4, 1, 1, "cpu")
 
 
 def test_no_hooks_measures_the_framework_alone(capsys: pytest.CaptureFixture[str]) -> None:
@@ -79,7 +83,7 @@ def test_threads_are_restored(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_text_output_has_the_stage_table_and_the_ratios(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["bench", "dispatch", "--quick", "--steps", "3", "--rounds", "1", "--hooks", "clip"])
+    code = main(["bench", "dispatch", "--quick", "--steps", "4", "--rounds", "1", "--hooks", "clip"])
     out = capsys.readouterr().out
     assert code == 0
     assert "before_batch" in out and "includes backward()" in out
@@ -135,7 +139,7 @@ def test_missing_config_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_bad_counts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = bench(capsys, "--steps", "1")
+    code, _, err = bench(capsys, "--steps", "2")
     assert code == 2 and "--steps" in err
 
 
@@ -192,6 +196,36 @@ def test_update_path_sweeps_run_every_update_hook_on_its_stages(monkeypatch: pyt
         seen.clear()
         workload.run(None)
         assert sorted(seen) == sorted([s for s in TrainingStage if s in benchmarking.UPDATE_STAGES] * 2), kind
+
+
+def test_stamped_batches_time_each_step_from_one_hand_out_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    ticks = iter([0, 10, 30, 60, 100])
+    monkeypatch.setattr(time, "perf_counter_ns", lambda: next(ticks))
+    stamped = benchmarking.StampedBatches(["a", "b", "c", "d", "e"])
+    assert stamped[0] == "a" and len(stamped) == 5  # indexing stamps nothing
+    assert list(stamped) == ["a", "b", "c", "d", "e"]
+    assert stamped.intervals == [20, 30, 40]  # the first interval of the pass is dropped
+    assert stamped.step_figures() == {"median": 30, "p10": 20, "min": 20}
+
+
+def test_compare_loops_drops_warm_up_steps_and_divides_by_the_first_loop() -> None:
+    batches = benchmarking.make_batches(benchmarking.TINY_MLP, 5)
+    spec = benchmarking.TINY_MLP
+    result = benchmarking.compare_loops(
+        {
+            "hand": lambda data: benchmarking.hand_written_workload(spec, data),
+            "nvtrain": lambda data: benchmarking.strategy_workload(spec, data),
+        },
+        batches,
+        rounds=2,
+        warmup=1,
+    )
+    assert result["baseline"] == "hand" and result["steps"] == 5
+    assert result["ratios"]["hand"] == {"run_median": 1.0, "run_min": 1.0, "step_median": 1.0, "step_p10": 1.0}
+    loops = result["loops"]
+    assert loops["nvtrain"]["step_us"]["p10"] / loops["hand"]["step_us"]["p10"] == pytest.approx(
+        result["ratios"]["nvtrain"]["step_p10"]
+    )
 
 
 def test_inert_loss_backward_does_nothing() -> None:

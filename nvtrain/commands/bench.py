@@ -71,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     dispatch.add_argument("--model", choices=("tiny", "larger"), default="tiny", help="MLP to train (default tiny)")
     dispatch.add_argument("--steps", type=int, help=f"steps per timed run (default {FULL[0]}; --quick {QUICK[0]})")
-    dispatch.add_argument("--rounds", type=int, help=f"timed runs per candidate (default {FULL[1]}; --quick {QUICK[1]})")
+    dispatch.add_argument(
+        "--rounds", type=int, help=f"timed runs per candidate (default {FULL[1]}; --quick {QUICK[1]})"
+    )
     dispatch.add_argument("--threads", type=int, default=1, help="torch intra-op threads while measuring (default 1)")
     dispatch.add_argument("--device", default="cpu", help="torch device (default cpu)")
     dispatch.add_argument("--quick", action="store_true", help="fewer, shorter runs: a rough figure in seconds")
@@ -84,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
     steps, rounds = QUICK if args.quick else FULL
     steps = args.steps if args.steps is not None else steps
     rounds = args.rounds if args.rounds is not None else rounds
-    if steps < 2 or rounds < 1 or args.threads < 1:
-        print("nvtrain bench: error: --steps must be >= 2, --rounds >= 1 and --threads >= 1", file=sys.stderr)
+    if steps < 3 or rounds < 1 or args.threads < 1:
+        print("nvtrain bench: error: --steps must be >= 3, --rounds >= 1 and --threads >= 1", file=sys.stderr)
         return 2
     names = [name.strip() for name in args.hooks.split(",") if name.strip()]
     with _scratch() as scratch:
@@ -218,15 +220,24 @@ def format_report(report: dict[str, Any]) -> str:
             sweep["observer_stages"], sweep["update_stages"], sweep["do_slots"], sweep["once_per_run"]
         )
     )
-    lines += ["", "per-step time (median over runs; min)    ratio to the bare loop (median; min)"]
+    lines += [
+        "",
+        "per step, us        run: median      min   single steps: p10   ratio to the bare loop: "
+        "run median, run min, step p10",
+    ]
     for name, figures in report["per_step_us"].items():
         ratio = report["ratios"].get(name)
-        ratio_text = "1.000x" if ratio is None else f"{ratio['median']:.3f}x ({ratio['min']:.3f}x)"
-        lines.append(f"  {name:22s} {figures['median']:10.1f} us ({figures['min']:.1f})   {ratio_text}")
+        ratio_text = (
+            "1.000x (baseline)"
+            if ratio is None
+            else f"{ratio['run_median']:.3f}x  {ratio['run_min']:.3f}x  {ratio['step_p10']:.3f}x"
+        )
+        run, step = figures["run_us"], figures["step_us"]
+        lines.append(f"  {name:22s} {run['median']:10.1f} {run['min']:8.1f} {step['p10']:19.1f}   {ratio_text}")
     extra = report.get("hooks_overhead_us")
     if extra is not None:
         lines.append(
-            f"your hooks add {extra['median']:.1f} us per step (median; min {extra['min']:.1f}) "
-            "over nvtrain with no hooks"
+            f"your hooks add {extra['run_median']:.1f} us per step (run median; {extra['step_p10']:.1f} us on "
+            "single-step p10) over nvtrain with no hooks"
         )
     return "\n".join(lines)
