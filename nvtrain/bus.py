@@ -55,6 +55,8 @@ def _bind(impl: pluggy.HookImpl) -> Callable[[Any], Any]:
 
 
 def _compile_plain(functions: tuple[Callable[[Any], Any], ...], firstresult: bool) -> StageCaller:
+    if firstresult and len(functions) == 1:
+        return functions[0]  # its result is the first non-None result, or None: exactly pluggy's answer
     if firstresult:
 
         def call_first(ctx: Any) -> Any:

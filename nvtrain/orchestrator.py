@@ -55,6 +55,12 @@ class TrainingUpdateOrchestrator:
         self._backward_hooks = self._by_stage[_DO_BACKWARD]
         self._step_hooks = self._by_stage[_DO_OPTIMIZER_STEP]
         self._after_step_hooks = self._by_stage[_AFTER_OPTIMIZER_STEP]
+        # A stage no hook runs on is left off the bus (pluggy skips a non-routine attribute),
+        # so the strategy's dispatch for it stays the no-op constant.
+        if not self._before_batch_hooks:
+            self.before_batch = None  # type: ignore[assignment,method-assign]
+        if not self._after_step_hooks:
+            self.after_optimizer_step = None  # type: ignore[assignment,method-assign]
         steppers = [h for h in ordered if callable(getattr(h, "step_optimizer", None))]
         self._stepper = steppers[0] if steppers else None
         self._optimizers: tuple[tuple[str, torch.optim.Optimizer, tuple[Any, ...]], ...] = ()
@@ -105,6 +111,10 @@ class TrainingUpdateOrchestrator:
                 f"stage DO_BACKWARD: ctx.loss must be a torch.Tensor before backward "
                 f"(got {type(original).__name__}); check loss_fn"
             )
+        if not self._backward_hooks:  # nothing transforms the loss: back-propagate it as it is
+            original.backward()
+            ctx.backward_loss = original
+            return original
         loss = original
         try:
             for hook in self._backward_hooks:
@@ -125,7 +135,7 @@ class TrainingUpdateOrchestrator:
     def do_optimizer_step(self, ctx: TrainingContext) -> bool:
         """Ask the hooks, then step optimizers and their schedulers unless vetoed."""
         stepped = False
-        if not _vetoed_by(self._step_hooks, ctx, _DO_OPTIMIZER_STEP):
+        if not self._step_hooks or not _vetoed_by(self._step_hooks, ctx, _DO_OPTIMIZER_STEP):
             stepper = self._stepper
             for name, optimizer, schedulers in self._optimizers:
                 if stepper is None:

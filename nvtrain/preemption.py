@@ -100,6 +100,7 @@ class PreemptionWatcher:
         self._agreed = False
         self._previous: dict[signal.Signals, Any] = {}
         self._flag: torch.Tensor | None = None
+        self._multi_rank: bool | None = None
 
     # -- handler lifetime ---------------------------------------------------------------
 
@@ -109,6 +110,7 @@ class PreemptionWatcher:
 
     def install(self) -> None:
         """Catch ``signals`` from now on, remembering the handlers they replace."""
+        self._multi_rank = None
         if not self.signals or self._previous:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -168,7 +170,12 @@ class PreemptionWatcher:
             return self._agreed
         local = self.received_signal is not None
         group = self.process_group
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        multi_rank = self._multi_rank
+        if multi_rank is None:  # decided once per installation: the job's ranks do not change mid-run
+            multi_rank = self._multi_rank = (
+                dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+            )
+        if multi_rank:
             flag = self._flag
             if flag is None:
                 flag = self._flag = torch.zeros(1, dtype=torch.int32, device=collective_device(group))

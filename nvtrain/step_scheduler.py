@@ -127,6 +127,15 @@ class _Boundary:
     last: bool
 
 
+#: The eight possible boundaries, built once: finish_step() runs on every optimizer step.
+_BOUNDARIES = {
+    (stepped, epoch_end, last): _Boundary(stepped=stepped, epoch_end=epoch_end, last=last)
+    for stepped in (False, True)
+    for epoch_end in (False, True)
+    for last in (False, True)
+}
+
+
 class StepScheduler:
     """Groups micro-batches into optimizer steps and answers what each step boundary requires.
 
@@ -319,12 +328,13 @@ class StepScheduler:
         finally:
             self._iterating = False
 
-    def finish_step(self, stepped: bool = True) -> None:
+    def finish_step(self, stepped: bool = True) -> bool:
         """Close the open window: count the step (when ``stepped``), poll preemption once.
 
         ``stepped=False`` records a window whose optimizer step was skipped (a veto
         or a GradScaler overflow): its data is consumed but no step counted, so no
         step cadence fires. This is the only call that communicates across ranks.
+        Returns whether preemption was agreed (:attr:`sigterm_received`).
         """
         if not self._open or self._window is None:
             raise RuntimeError("StepScheduler.finish_step(): no open window (called twice, or outside the loop)")
@@ -340,7 +350,8 @@ class StepScheduler:
             self._window_is_last
             and (self.synchronized_stream or (self.num_epochs is not None and self.epoch + 1 >= self.num_epochs))
         )
-        self._boundary = _Boundary(stepped=stepped, epoch_end=self._window_is_last, last=last)
+        self._boundary = _BOUNDARIES[stepped, self._window_is_last, bool(last)]
+        return self._watcher.preempted
 
     def poll_preemption(self) -> bool:
         """Poll preemption outside a step boundary (after validation, at an epoch end); one collective.
@@ -406,6 +417,12 @@ class StepScheduler:
         iterator = self._iterator if self._iterator is not None else self._open_iterator()
         size = self.grad_acc_steps
         items = self._epoch_items
+        if size == 1 and items is not None and self._pending is _NO_ITEM and self._pulled < items:
+            item = next(iterator, _NO_ITEM)  # the common case: one micro-batch per step, a sized loader
+            if item is not _NO_ITEM:
+                self._pulled += 1
+                return [item], self._pulled >= items
+            # ran dry before len(): the general path below finds it exhausted, warns and ends the epoch
         if items is not None:
             size = min(size, items - self._pulled)
         window: list[Any] = []

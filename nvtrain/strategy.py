@@ -23,6 +23,14 @@ from nvtrain.validators import optional_int_at_least
 __all__ = ["RunResult", "TrainingStrategy"]
 
 S = TrainingStage
+# Stage members bound once: an enum attribute lookup per stage would cost on every micro-batch.
+_SETUP, _BEFORE_TRAINING, _BEFORE_EPOCH = S.SETUP, S.BEFORE_TRAINING, S.BEFORE_EPOCH
+_BEFORE_BATCH, _BEFORE_FORWARD, _AFTER_FORWARD = S.BEFORE_BATCH, S.BEFORE_FORWARD, S.AFTER_FORWARD
+_BEFORE_LOSS, _AFTER_LOSS, _BEFORE_BACKWARD = S.BEFORE_LOSS, S.AFTER_LOSS, S.BEFORE_BACKWARD
+_DO_BACKWARD, _AFTER_BACKWARD = S.DO_BACKWARD, S.AFTER_BACKWARD
+_BEFORE_OPTIMIZER_STEP, _DO_OPTIMIZER_STEP = S.BEFORE_OPTIMIZER_STEP, S.DO_OPTIMIZER_STEP
+_AFTER_OPTIMIZER_STEP, _AFTER_BATCH, _AFTER_EPOCH = S.AFTER_OPTIMIZER_STEP, S.AFTER_BATCH, S.AFTER_EPOCH
+_AFTER_TRAINING, _AFTER_VALIDATION = S.AFTER_TRAINING, S.AFTER_VALIDATION
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
@@ -301,13 +309,13 @@ class TrainingStrategy:
         ctx.windowed = True
         try:
             with scheduler:
-                ctx.stage = S.BEFORE_TRAINING
+                ctx.stage = _BEFORE_TRAINING
                 bus.before_training(ctx)
                 self._follow_scheduler(scheduler)
                 for epoch in scheduler.epochs:
                     self._run_epoch(scheduler, epoch)
                 ctx.preempted = scheduler.sigterm_received
-                ctx.stage = S.AFTER_TRAINING
+                ctx.stage = _AFTER_TRAINING
                 bus.after_training(ctx)
         finally:
             ctx.windowed = False
@@ -325,23 +333,29 @@ class TrainingStrategy:
         ctx, bus = self.ctx, self._bus
         ctx.epoch = epoch
         ctx.epoch_step_count = scheduler.position
-        ctx.stage = S.BEFORE_EPOCH
+        ctx.stage = _BEFORE_EPOCH
         bus.before_epoch(ctx)
         validated_at: int | None = None
+        has_validation_data = self._has_validation_data()
+        train_micro_batch = self._train_micro_batch
         for window in scheduler:
             size = len(window)
-            for position, batch in enumerate(window):
-                ctx.window_size, ctx.window_position = size, position
-                ctx.sync_gradients = position == size - 1
-                self._train_micro_batch(batch, scheduler if position == size - 1 else None)
-            if scheduler.is_val_step and self._has_validation_data():
+            if size == 1:  # no accumulation: the common case, without the inner loop
+                ctx.window_size, ctx.window_position, ctx.sync_gradients = 1, 0, True
+                train_micro_batch(window[0], scheduler)
+            else:
+                for position, batch in enumerate(window):
+                    ctx.window_size, ctx.window_position = size, position
+                    ctx.sync_gradients = position == size - 1
+                    train_micro_batch(batch, scheduler if position == size - 1 else None)
+            if has_validation_data and scheduler.is_val_step:
                 self._validate_in_run()
                 validated_at = ctx.step_count
                 if not scheduler.is_last_step:  # a signal that arrived during validation ends the run here
                     ctx.preempted = scheduler.poll_preemption()
         if not scheduler.sigterm_received and validated_at != ctx.step_count:
             self._maybe_validate_on_epoch()
-        ctx.stage = S.AFTER_EPOCH
+        ctx.stage = _AFTER_EPOCH
         bus.after_epoch(ctx)
         ctx.epoch = scheduler.epoch  # advanced only when the epoch's data was used up
 
@@ -437,29 +451,29 @@ class TrainingStrategy:
         """All batch stages for one micro-batch; ``boundary`` closes the scheduler's step after DO_OPTIMIZER_STEP."""
         ctx, bus = self.ctx, self._bus
         ctx.batch = self._move_batch(batch)
-        ctx.stage = S.BEFORE_BATCH
+        ctx.stage = _BEFORE_BATCH
         votes = bus.before_batch(ctx)
         if not votes or not _vetoed(votes, bus):
             self._orchestrator.zero_gradients()
-        ctx.stage = S.BEFORE_FORWARD
+        ctx.stage = _BEFORE_FORWARD
         bus.before_forward(ctx)
         ctx.outputs = self._forward(ctx)
-        ctx.stage = S.AFTER_FORWARD
+        ctx.stage = _AFTER_FORWARD
         bus.after_forward(ctx)
-        ctx.stage = S.BEFORE_LOSS
+        ctx.stage = _BEFORE_LOSS
         bus.before_loss(ctx)
         ctx.loss = self._loss(ctx)
-        ctx.stage = S.AFTER_LOSS
+        ctx.stage = _AFTER_LOSS
         bus.after_loss(ctx)
-        ctx.stage = S.BEFORE_BACKWARD
+        ctx.stage = _BEFORE_BACKWARD
         bus.before_backward(ctx)
-        ctx.stage = S.DO_BACKWARD
+        ctx.stage = _DO_BACKWARD
         bus.do_backward(ctx)
-        ctx.stage = S.AFTER_BACKWARD
+        ctx.stage = _AFTER_BACKWARD
         bus.after_backward(ctx)
-        ctx.stage = S.BEFORE_OPTIMIZER_STEP
+        ctx.stage = _BEFORE_OPTIMIZER_STEP
         bus.before_optimizer_step(ctx)
-        ctx.stage = S.DO_OPTIMIZER_STEP
+        ctx.stage = _DO_OPTIMIZER_STEP
         bus.do_optimizer_step(ctx)
         ctx.batch_count += 1
         ctx.epoch_step_count += 1
@@ -467,17 +481,20 @@ class TrainingStrategy:
             ctx.step_count += 1
             ctx.global_step_count += ctx.world_size
         if boundary is not None:  # the step boundary: predicates now describe this step; preemption polled once
-            boundary.finish_step(stepped=not ctx.step_skipped)
-            ctx.preempted = boundary.sigterm_received
-        ctx.stage = S.AFTER_OPTIMIZER_STEP
+            ctx.preempted = boundary.finish_step(stepped=not ctx.step_skipped)
+        ctx.stage = _AFTER_OPTIMIZER_STEP
         bus.after_optimizer_step(ctx)
-        ctx.stage = S.AFTER_BATCH
+        ctx.stage = _AFTER_BATCH
         bus.after_batch(ctx)
 
     def _forward(self, ctx: TrainingContext) -> Any:
-        if self.forward_fn is not None:
-            return self.forward_fn(ctx)
-        inputs, _ = _split_pair(ctx.batch)
+        forward_fn = self.forward_fn
+        if forward_fn is not None:
+            return forward_fn(ctx)
+        batch = ctx.batch
+        if type(batch) is tuple and len(batch) == 2:  # the common case first, then anything pair-like
+            return ctx.models["main"](batch[0])
+        inputs, _ = _split_pair(batch)
         return ctx.models["main"](inputs)
 
     def _loss(self, ctx: TrainingContext) -> torch.Tensor:
@@ -500,7 +517,7 @@ class TrainingStrategy:
         for name, model in ctx.models.items():
             ctx.models[name] = model.to(self.device)
         ctx.train_loader = train_loader
-        ctx.stage = S.SETUP
+        ctx.stage = _SETUP
         self._bus.setup(ctx)
         self._setup_loader = train_loader
         for name, factory in self.optimizers.items():
@@ -538,7 +555,7 @@ class TrainingStrategy:
         )
         summary = loop.run(models, (self._move_batch(b) for b in loader))
         ctx.validation = summary
-        ctx.stage = S.AFTER_VALIDATION
+        ctx.stage = _AFTER_VALIDATION
         self._bus.after_validation(ctx)
         return summary
 

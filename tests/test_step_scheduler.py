@@ -79,7 +79,7 @@ def test_dataloader_micro_batches_and_epoch_len() -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=2)
     scheduler = StepScheduler(8, 2, 2, loader, preemption_signal=None)
     assert scheduler.grad_acc_steps == 2 and scheduler.epoch_len == 5
-    windows = [window for _ in scheduler.epochs for window in scheduler if scheduler.finish_step() is None]
+    windows = [window for _ in scheduler.epochs for window in scheduler if scheduler.finish_step() is False]
     assert len(windows) == 5
     assert torch.equal(windows[0][1][0], torch.tensor([2.0, 3.0]))
     assert make(Unsized([1])).epoch_len is None
@@ -236,7 +236,7 @@ def test_a_window_left_open_by_break_is_yielded_again() -> None:
         assert window == [0, 1]
         break
     assert scheduler.state_dict()["position"] == 0
-    assert [w for w in scheduler if scheduler.finish_step() is None] == [[0, 1], [2, 3], [4, 5]]
+    assert [w for w in scheduler if scheduler.finish_step() is False] == [[0, 1], [2, 3], [4, 5]]
 
 
 # -- epochs reach the loader ---------------------------------------------------------------------------
