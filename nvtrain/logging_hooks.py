@@ -128,7 +128,9 @@ class StepLogReader:
             return None
         self._steps += 1
         step = ctx.step_count
-        if step % self.every or step == self._last_logged:
+        scheduler = ctx.scheduler if ctx.windowed and ctx.sync_gradients else None
+        final = scheduler is not None and (scheduler.is_last_step or ctx.preempted)  # flush the last window
+        if (step % self.every and not final) or step == self._last_logged:
             return None
         self._last_logged = step
         return self._read(ctx)

@@ -126,7 +126,7 @@ def test_user_config_with_a_model_factory_beside_it(tmp_path: Path, capsys: pyte
     assert resolved["model"]["factory"] == "factory_for_user_config:build"
     assert resolved["trainer"]["max_steps"] == 12 and resolved["model"]["kwargs"]["width"] == 24
     metrics = rows(run / "metrics.csv")
-    assert [r["step"] for r in metrics if r["train_loss"]] == ["5", "10"]
+    assert [r["step"] for r in metrics if r["train_loss"]] == ["5", "10", "12"]  # the last step flushed
     assert metrics[-1]["step"] == "12" and metrics[-1]["val_accuracy"]
     assert all(r["grad_norm"] for r in metrics if r["train_loss"])  # the clipping hook's metric is logged
     assert (run / "curves.png").read_bytes()[:8] == PNG_MAGIC
@@ -237,3 +237,26 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_resumes(
     steps = [int(r["step"]) for r in rows(run / "metrics.csv")]
     assert steps == list(range(1, saved + 5))  # rows of the first run up to the checkpoint, then the resumed ones
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{saved + 4}"
+
+
+# -- the same job with DDP under torchrun -----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_train_the_builtin_job_with_ddp(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("NVTRAIN_")}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "nvtrain", "train",
+        "--set", "trainer.max_steps=12", "--set", f"output_dir={tmp_path / 'out'}",
+    ]  # fmt: skip
+    process = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT
+    )
+    assert process.returncode == 0, process.stderr[-4000:]
+    run = tmp_path / "out" / "digits"
+    steps = [int(row["step"]) for row in rows(run / "metrics.csv") if row.get("train_loss")]
+    assert steps == [10, 12]  # rank 0 alone writes the metrics (no row doubled by rank 1); the last step flushed
+    assert len(steps) == len(set(steps))
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_12"
+    assert (run / "curves.png").read_bytes().startswith(PNG_MAGIC)
