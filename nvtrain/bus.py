@@ -172,7 +172,7 @@ class HookBus:
         """Swap a registered plugin for another, keeping its place in the order."""
         if any(entry[3] is new for entry in self._entries):
             raise ValueError(f"plugin {hook_label(new)} is already registered on this strategy")
-        for index, (priority, seq, name, plugin) in enumerate(self._entries):
+        for index, (_, seq, name, plugin) in enumerate(self._entries):
             if plugin is old:
                 new_priority = check_priority(new)
                 _refuse_unmarked_stage_methods(new)

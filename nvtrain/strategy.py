@@ -509,9 +509,7 @@ class TrainingStrategy:
         if self._is_set_up:
             # The loader SETUP saw may have been replaced by a plugin (a DDP sampler): keep the
             # replacement when the same loader comes back; a new loader is used as given.
-            if train_loader is not None and train_loader is not self._setup_loader:
-                ctx.train_loader = train_loader
-            elif train_loader is not None and ctx.train_loader is None:
+            if train_loader is not None and (train_loader is not self._setup_loader or ctx.train_loader is None):
                 ctx.train_loader = train_loader
             return
         for name, model in ctx.models.items():

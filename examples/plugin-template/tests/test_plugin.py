@@ -6,10 +6,10 @@ import functools
 
 import pytest
 import torch
+from nvtrain_gradnorm import GradNormMonitor
 
 import nvtrain
 import nvtrain.plugins
-from nvtrain_gradnorm import GradNormMonitor
 
 
 def _strategy(hook: object) -> nvtrain.TrainingStrategy:
