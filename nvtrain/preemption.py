@@ -97,7 +97,8 @@ class PreemptionWatcher:
         self.process_group = process_group
         #: Number of the first signal caught on this rank, or None.
         self.received_signal: int | None = None
-        self._agreed = False
+        #: The answer of the latest :meth:`poll` (reading it never runs a collective).
+        self.preempted = False
         self._previous: dict[signal.Signals, Any] = {}
         self._flag: torch.Tensor | None = None
         self._multi_rank: bool | None = None
@@ -155,10 +156,6 @@ class PreemptionWatcher:
 
     # -- the answer -----------------------------------------------------------------------
 
-    @property
-    def preempted(self) -> bool:
-        """The answer of the latest :meth:`poll` (never runs a collective)."""
-        return self._agreed
 
     def poll(self) -> bool:
         """Did any rank receive a preemption signal? One ``all_reduce`` when the job has several ranks.
@@ -166,8 +163,8 @@ class PreemptionWatcher:
         Every rank must call this at the same points of the run. With no signals
         configured it is a constant ``False`` and runs nothing.
         """
-        if self._agreed or not self.signals:
-            return self._agreed
+        if self.preempted or not self.signals:
+            return self.preempted
         local = self.received_signal is not None
         group = self.process_group
         multi_rank = self._multi_rank
@@ -188,7 +185,7 @@ class PreemptionWatcher:
             received = self.received_signal
             source = signal.Signals(received).name if received is not None else "another rank"
             logger.warning("preemption signal received (%s): stopping after a checkpoint", source)
-        self._agreed = agreed
+        self.preempted = agreed
         return agreed
 
 

@@ -295,8 +295,9 @@ class StepScheduler:
         if self._iterating:
             raise RuntimeError("StepScheduler: already iterating; one loop over the scheduler at a time")
         self._iterating = True
+        watcher = self._watcher
         try:
-            while not self._training_done() and not self._watcher.preempted:
+            while not watcher.preempted and not self._training_done():
                 if self._replay is not None:
                     window, is_last = self._replay
                     self._replay = None
