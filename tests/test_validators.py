@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import pytest
 
+from nvtrain.hooks import GradientAccumulationHook, GradientClippingHook, SpikeSkipHook
 from nvtrain.validators import (
     float_in_range,
     int_at_least,
@@ -71,3 +72,17 @@ def test_the_message_names_the_subclass_that_failed() -> None:
 
     with pytest.raises(ValueError, match=r"^Tuned\.value must be an int >= 1 \(got 0\)$"):
         Tuned(0)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda priority: GradientAccumulationHook(steps=2, priority=priority),
+        lambda priority: GradientClippingHook(max_norm=1.0, priority=priority),
+        lambda priority: SpikeSkipHook(priority=priority),
+    ],
+    ids=["accumulate", "clip", "spike_skip"],
+)
+def test_every_builtin_hook_refuses_a_non_int_priority_the_same_way(build: Any) -> None:
+    with pytest.raises(TypeError, match=r"\.priority must be an int \(got '10'\)"):
+        build("10")

@@ -9,7 +9,7 @@ import torch
 
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.stages import TrainingStage
-from nvtrain.validators import int_at_least
+from nvtrain.validators import int_at_least, strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -53,7 +53,7 @@ class GradientAccumulationHook(TrainingUpdateHook):
 
     #: Micro-batches per optimizer step (the window size K).
     steps: int = attrs.field(validator=int_at_least(1))
-    priority: int = attrs.field(default=10, validator=int_at_least(None))
+    priority: int = attrs.field(default=10, validator=strict_int)
 
     # standalone counting: position of the next micro-batch in its window
     _position: int = attrs.field(init=False, default=0, repr=False)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.hooks.clipping import GRAD_NORM, OptimizerParameters, total_grad_norm
 from nvtrain.stages import TrainingStage
-from nvtrain.validators import int_at_least, number_above
+from nvtrain.validators import int_at_least, number_above, strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -127,7 +127,7 @@ class SpikeSkipHook(TrainingUpdateHook):
     norm_type: float = attrs.field(default=2.0, validator=number_above(0, example="2.0 or float('inf')"))
     #: Process group of the deciding collective; None is the default group.
     process_group: Any = None
-    priority: int = attrs.field(default=40, validator=int_at_least(None))
+    priority: int = attrs.field(default=40, validator=strict_int)
 
     _loss_stats: RollingStats = attrs.field(init=False, repr=False)
     _norm_stats: RollingStats = attrs.field(init=False, repr=False)

@@ -20,7 +20,7 @@ import torch
 
 from nvtrain.hookspecs import hookimpl
 from nvtrain.stages import BATCH_STAGES, REPLACEMENT_STAGES, TrainingStage
-from nvtrain.validators import int_at_least
+from nvtrain.validators import int_at_least, strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -122,7 +122,7 @@ class StageTimingHook:
     #: Emit NVTX ranges when timing on CUDA.
     nvtx: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     max_samples: int = attrs.field(default=10_000, validator=int_at_least(1))
-    priority: int = attrs.field(default=-1000, validator=int_at_least(None))
+    priority: int = attrs.field(default=-1000, validator=strict_int)
 
     _stats: dict[TrainingStage, _StageStats] = attrs.field(init=False, repr=False)
     _rng: random.Random = attrs.field(init=False, repr=False, factory=lambda: random.Random(0))

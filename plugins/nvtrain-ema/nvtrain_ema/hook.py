@@ -12,7 +12,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import nvtrain
 from nvtrain import TrainingStage
 from nvtrain.distributed import unwrap_model
-from nvtrain.validators import float_in_range, int_at_least, strict_bool
+from nvtrain.validators import float_in_range, int_at_least, strict_bool, strict_int
 
 __all__ = ["EMAHook", "unwrap_model"]
 
@@ -60,7 +60,7 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     use_buffers: bool = attrs.field(default=False, validator=strict_bool)
     #: EMA updates performed so far; restored from checkpoints.
     num_updates: int = attrs.field(default=0, validator=int_at_least(0))
-    priority: int = attrs.field(default=50, validator=int_at_least(None))
+    priority: int = attrs.field(default=50, validator=strict_int)
 
     _averaged: AveragedModel | None = attrs.field(init=False, default=None, repr=False)
     _models: Mapping[str, torch.nn.Module] | None = attrs.field(init=False, default=None, repr=False)
