@@ -10,11 +10,14 @@ like with like from the same run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import pytest
 import torch
+
+from nvtrain.benchmarking import StampedBatches, Workload
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -39,6 +42,57 @@ class Scale:
 @pytest.fixture(scope="session")
 def scale(request: pytest.FixtureRequest) -> Scale:
     return Scale(quick=bool(request.config.getoption("--quick")))
+
+
+@pytest.fixture
+def time_loop(benchmark: Any) -> Callable[..., None]:
+    """Time a loop ``Workload`` with pytest-benchmark: a fresh ``prepare()`` per round, untimed.
+
+    ``time_loop(workload, batches, rounds, before_round=None, **info)``: ``info`` goes
+    to ``extra_info`` (``suite``, ``kind``...), and so do the single-step figures of
+    ``batches`` (a ``StampedBatches``) afterwards. ``before_round`` runs before each
+    round's ``prepare()`` (e.g. to empty a checkpoint directory).
+    """
+
+    def time(
+        workload: Workload,
+        batches: StampedBatches,
+        rounds: int,
+        before_round: Callable[[], object] | None = None,
+        **info: Any,
+    ) -> None:
+        benchmark.extra_info.update(steps=workload.units, **info)
+
+        def setup() -> tuple[tuple[Any], dict[str, Any]]:
+            if before_round is not None:
+                before_round()
+            return (workload.prepare(),), {}
+
+        def teardown(state: Any) -> None:
+            if workload.cleanup is not None:
+                workload.cleanup(state)
+
+        benchmark.pedantic(workload.run, setup=setup, teardown=teardown, rounds=rounds, warmup_rounds=1)
+        benchmark.extra_info["step_us"] = {key: ns / 1e3 for key, ns in batches.step_figures().items()}
+
+    return time
+
+
+@pytest.fixture
+def time_sweep(benchmark: Any, scale: Scale) -> Callable[..., None]:
+    """Time a dispatch ``Workload`` (no state): many iterations per round; ``info`` goes to ``extra_info``."""
+
+    def time(workload: Workload, **info: Any) -> None:
+        benchmark.extra_info.update(**info)
+        benchmark.pedantic(
+            workload.run,
+            args=(None,),
+            rounds=scale.pick(40, 8),
+            iterations=scale.pick(200, 50),
+            warmup_rounds=1,
+        )
+
+    return time
 
 
 @pytest.fixture(autouse=True)

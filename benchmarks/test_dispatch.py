@@ -26,14 +26,7 @@ KINDS = {"pluggy_direct_baseline": "pluggy", "nvtrain_bus": "nvtrain", "plain_lo
 
 @pytest.mark.parametrize("observers", OBSERVERS, ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_sweep(benchmark: Any, scale: Any, kind: str, observers: int) -> None:
+def test_sweep(benchmark: Any, time_sweep: Any, kind: str, observers: int) -> None:
     workload = dispatch_workloads(observers)[KINDS[kind]]
     benchmark.group = f"dispatch: 18-stage sweep, K={observers:02d} observers per stage"
-    benchmark.extra_info.update(suite="dispatch", kind=KINDS[kind], observers=observers)
-    benchmark.pedantic(
-        workload.run,
-        args=(None,),
-        rounds=scale.pick(40, 8),
-        iterations=scale.pick(200, 50),
-        warmup_rounds=1,
-    )
+    time_sweep(workload, suite="dispatch", kind=KINDS[kind], observers=observers)

@@ -22,6 +22,7 @@ on a busy machine their low percentiles are the steadier estimate.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -56,48 +57,6 @@ def _group(model: str, spec: MLPSpec) -> str:
     return f"loop: {model} MLP {spec.label}"
 
 
-def _time(benchmark: Any, workload: Workload, batches: StampedBatches, rounds: int, **info: Any) -> None:
-    benchmark.extra_info.update(suite="loop", steps=workload.units, **info)
-
-    def setup() -> tuple[tuple[Any], dict[str, Any]]:
-        return (workload.prepare(),), {}
-
-    def teardown(state: Any) -> None:
-        if workload.cleanup is not None:
-            workload.cleanup(state)
-
-    benchmark.pedantic(workload.run, setup=setup, teardown=teardown, rounds=rounds, warmup_rounds=1)
-    benchmark.extra_info["step_us"] = {key: ns / 1e3 for key, ns in batches.step_figures().items()}
-
-
-@pytest.mark.parametrize("model", list(MODELS))
-def test_hand_written_baseline(benchmark: Any, scale: Any, model: str) -> None:
-    steps, rounds = _steps_and_rounds(model, scale)
-    spec = MODELS[model]
-    batches = StampedBatches(make_batches(spec, steps))
-    benchmark.group = _group(model, spec)
-    _time(benchmark, hand_written_workload(spec, batches), batches, rounds, model=model, kind="hand")
-
-
-@pytest.mark.parametrize("model", list(MODELS))
-def test_strategy_no_plugins(benchmark: Any, scale: Any, model: str) -> None:
-    steps, rounds = _steps_and_rounds(model, scale)
-    spec = MODELS[model]
-    batches = StampedBatches(make_batches(spec, steps))
-    benchmark.group = _group(model, spec)
-    _time(benchmark, strategy_workload(spec, batches), batches, rounds, model=model, kind="nvtrain")
-
-
-@pytest.mark.parametrize("model", list(MODELS))
-def test_strategy_five_noop_observers(benchmark: Any, scale: Any, model: str) -> None:
-    steps, rounds = _steps_and_rounds(model, scale)
-    spec = MODELS[model]
-    batches = StampedBatches(make_batches(spec, steps))
-    benchmark.group = _group(model, spec)
-    workload = strategy_workload(spec, batches, lambda: [noop_observer() for _ in range(5)])
-    _time(benchmark, workload, batches, rounds, model=model, kind="nvtrain+5 observers")
-
-
 def _direct_pluggy_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Any, Any, int], None]:
     """The hand-written step plus one direct pluggy call per batch stage (no implementations)."""
     hooks = nvtrain.HookBus().pluggy.hook
@@ -125,35 +84,48 @@ def _direct_pluggy_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return step
 
 
+LoopBuilder = Callable[[MLPSpec, StampedBatches], Workload]
+
+#: The loops compared: benchmark id -> (kind recorded in extra_info, label, workload builder).
+#: The first is the baseline of every ratio.
+LOOPS: dict[str, tuple[str, str, LoopBuilder]] = {
+    "hand_written_baseline": ("hand", "hand-written loop", lambda spec, data: hand_written_workload(spec, data)),
+    "strategy_no_plugins": ("nvtrain", "nvtrain, no plugins", lambda spec, data: strategy_workload(spec, data)),
+    "strategy_five_noop_observers": (
+        "nvtrain+5 observers",
+        "nvtrain, 5 no-op observers",
+        lambda spec, data: strategy_workload(spec, data, lambda: [noop_observer() for _ in range(5)]),
+    ),
+    "hand_written_plus_direct_pluggy_calls": (
+        "hand+pluggy",
+        "hand-written + direct pluggy calls",
+        lambda spec, data: hand_written_workload(spec, data, make_step=_direct_pluggy_step),
+    ),
+}
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
 @pytest.mark.parametrize("model", list(MODELS))
-def test_hand_written_plus_direct_pluggy_calls(benchmark: Any, scale: Any, model: str) -> None:
+def test_loop(benchmark: Any, time_loop: Any, scale: Any, model: str, loop: str) -> None:
+    """One loop on its own: pytest-benchmark's figures per candidate, one after another."""
     steps, rounds = _steps_and_rounds(model, scale)
     spec = MODELS[model]
+    kind, _, build = LOOPS[loop]
     batches = StampedBatches(make_batches(spec, steps))
     benchmark.group = _group(model, spec)
-    workload = hand_written_workload(spec, batches, make_step=_direct_pluggy_step)
-    _time(benchmark, workload, batches, rounds, model=model, kind="hand+pluggy")
+    time_loop(build(spec, batches), batches, rounds, suite="loop", model=model, kind=kind)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_interleaved_comparison(benchmark: Any, scale: Any, model: str) -> None:
-    """The four loops above, round-robin in one test: ratios a drifting machine skews far less.
+    """The loops of ``LOOPS``, round-robin in one test: ratios a drifting machine skews far less.
 
     pytest-benchmark's own figure here is the whole comparison; the per-loop results
     and ratios are in ``extra_info["comparison"]``.
     """
     steps, rounds = _steps_and_rounds(model, scale)
     spec = MODELS[model]
-    loops: dict[str, Callable[[StampedBatches], Workload]] = {
-        "hand-written loop": lambda data: hand_written_workload(spec, data),
-        "nvtrain, no plugins": lambda data: strategy_workload(spec, data),
-        "nvtrain, 5 no-op observers": lambda data: strategy_workload(
-            spec, data, lambda: [noop_observer() for _ in range(5)]
-        ),
-        "hand-written + direct pluggy calls": lambda data: hand_written_workload(
-            spec, data, make_step=_direct_pluggy_step
-        ),
-    }
+    loops = {label: functools.partial(build, spec) for _, label, build in LOOPS.values()}
     benchmark.group = "interleaved " + _group(model, spec)
     result = benchmark.pedantic(
         compare_loops, args=(loops, make_batches(spec, steps)), kwargs={"rounds": rounds}, rounds=1, iterations=1

@@ -126,22 +126,14 @@ def _group(model: str, spec: MLPSpec, precision: str) -> str:
     return f"stack: {model} MLP {spec.label}, {precision}"
 
 
-def _time(
-    benchmark: Any, workload: Workload, batches: StampedBatches, rounds: int, directory: Path, **info: Any
-) -> None:
-    benchmark.extra_info.update(suite="stack", steps=workload.units, **info)
+def _fresh(directory: Path) -> Callable[[], None]:
+    """Before each round: an empty checkpoint directory, so every round saves the same files."""
 
-    def setup() -> tuple[tuple[Any], dict[str, Any]]:
+    def empty() -> None:
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True)
-        return (workload.prepare(),), {}
 
-    def teardown(state: Any) -> None:
-        if workload.cleanup is not None:
-            workload.cleanup(state)
-
-    benchmark.pedantic(workload.run, setup=setup, teardown=teardown, rounds=rounds, warmup_rounds=1)
-    benchmark.extra_info["step_us"] = {key: ns / 1e3 for key, ns in batches.step_figures().items()}
+    return empty
 
 
 @pytest.fixture
@@ -153,25 +145,31 @@ def scratch() -> Any:
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("model", list(MODELS))
-def test_hand_written_stack_baseline(benchmark: Any, scale: Any, scratch: Path, model: str, precision: str) -> None:
+def test_hand_written_stack_baseline(
+    benchmark: Any, time_loop: Any, scale: Any, scratch: Path, model: str, precision: str
+) -> None:
     steps, rounds = _steps_and_rounds(model, scale)
     spec = MODELS[model]
     batches = StampedBatches(make_batches(spec, steps))
     benchmark.group = _group(model, spec, precision)
     make_step = hand_written_stack(precision, scratch, last_step=steps + 1)
     workload = hand_written_workload(spec, batches, make_step=make_step)
-    _time(benchmark, workload, batches, rounds, scratch, model=model, precision=precision, kind="hand stack")
+    info = {"suite": "stack", "model": model, "precision": precision, "kind": "hand stack"}
+    time_loop(workload, batches, rounds, _fresh(scratch), **info)
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("model", list(MODELS))
-def test_strategy_standard_stack(benchmark: Any, scale: Any, scratch: Path, model: str, precision: str) -> None:
+def test_strategy_standard_stack(
+    benchmark: Any, time_loop: Any, scale: Any, scratch: Path, model: str, precision: str
+) -> None:
     steps, rounds = _steps_and_rounds(model, scale)
     spec = MODELS[model]
     batches = StampedBatches(make_batches(spec, steps))
     benchmark.group = _group(model, spec, precision)
     workload = strategy_workload(spec, batches, lambda: standard_stack(precision, scratch))
-    _time(benchmark, workload, batches, rounds, scratch, model=model, precision=precision, kind="nvtrain stack")
+    info = {"suite": "stack", "model": model, "precision": precision, "kind": "nvtrain stack"}
+    time_loop(workload, batches, rounds, _fresh(scratch), **info)
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
@@ -183,8 +181,7 @@ def test_interleaved_comparison(benchmark: Any, scale: Any, scratch: Path, model
 
     def fresh(name: str) -> Path:
         folder = scratch / name
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
+        _fresh(folder)()
         return folder
 
     loops: dict[str, Callable[[StampedBatches], Workload]] = {

@@ -24,14 +24,7 @@ KINDS = {"pluggy_direct_baseline": "pluggy", "nvtrain_bus": "nvtrain", "plain_lo
 
 @pytest.mark.parametrize("update_hooks", UPDATE_HOOKS, ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_update_sweep(benchmark: Any, scale: Any, kind: str, update_hooks: int) -> None:
+def test_update_sweep(benchmark: Any, time_sweep: Any, kind: str, update_hooks: int) -> None:
     workload = update_path_workloads(update_hooks)[KINDS[kind]]
     benchmark.group = f"update path: 4 stages, {update_hooks} update hooks"
-    benchmark.extra_info.update(suite="update_path", kind=KINDS[kind], update_hooks=update_hooks)
-    benchmark.pedantic(
-        workload.run,
-        args=(None,),
-        rounds=scale.pick(40, 8),
-        iterations=scale.pick(200, 50),
-        warmup_rounds=1,
-    )
+    time_sweep(workload, suite="update_path", kind=KINDS[kind], update_hooks=update_hooks)

@@ -389,6 +389,18 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 StepFactory = Callable[[torch.nn.Module, torch.optim.Optimizer], Callable[[Any, Any, int], None]]
 
 
+def _mlp_strategy(spec: MLPSpec, hooks: Sequence[object], device: torch.device | str) -> TrainingStrategy:
+    """The strategy every nvtrain workload times: the MLP, SGD, MSE, one epoch, ``hooks``."""
+    return TrainingStrategy(
+        models=make_model(spec, device=device),
+        optimizers=_sgd,
+        loss_fn=torch.nn.functional.mse_loss,
+        hooks=list(hooks),
+        num_epochs=1,
+        device=device,
+    )
+
+
 def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Any, Any, int], None]:
     """The hand-written step every loop figure is compared with: zero, forward, loss, backward, step."""
     mse_loss = torch.nn.functional.mse_loss
@@ -449,14 +461,7 @@ def strategy_workload(
     device = torch.device(device)
 
     def prepare() -> TrainingStrategy:
-        strategy = TrainingStrategy(
-            models=make_model(spec, device=device),
-            optimizers=_sgd,
-            loss_fn=torch.nn.functional.mse_loss,
-            hooks=list(hooks()),
-            num_epochs=1,
-            device=device,
-        )
+        strategy = _mlp_strategy(spec, hooks(), device)
         strategy.train_batch(batches[0])
         return strategy
 
@@ -608,14 +613,7 @@ def stage_costs(
     ``validate()`` over the batches, so AFTER_VALIDATION fires.
     """
     overhead = _timer_cost_ns()
-    strategy = TrainingStrategy(
-        models=make_model(spec, device=device),
-        optimizers=_sgd,
-        loss_fn=torch.nn.functional.mse_loss,
-        hooks=list(hooks()),
-        num_epochs=1,
-        device=device,
-    )
+    strategy = _mlp_strategy(spec, hooks(), device)
     bus, orchestrator = strategy.bus, strategy.orchestrator
     with strategy, _timing_stages(bus) as recorded:
         strategy.run(batches)
