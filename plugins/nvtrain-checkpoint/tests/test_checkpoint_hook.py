@@ -271,6 +271,10 @@ def test_a_failed_background_write_is_raised_not_lost(
 class _Unsaveable:
     plugin_name = "weird"
 
+    @nvtrain.hookimpl
+    def before_epoch(self, ctx: Any) -> None:  # a plugin must implement a stage to be registered
+        pass
+
     def state_dict(self) -> dict[str, Any]:
         return {"ok": torch.zeros(1), "handle": object()}
 
