@@ -5,7 +5,7 @@ from __future__ import annotations
 from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
 from nvtrain.distributed import DistributedManager
-from nvtrain.hook import CheckpointableHook, Hook, TrainingUpdateHook
+from nvtrain.hook import PRIORITY_FIRST, PRIORITY_LAST, CheckpointableHook, Hook, TrainingUpdateHook
 from nvtrain.hookspecs import hookimpl, hookspec
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.stages import TrainingStage
@@ -34,6 +34,8 @@ __all__ = [
     "ValidationConfig",
     "ValidationLoop",
     "__version__",
+    "PRIORITY_FIRST",
+    "PRIORITY_LAST",
     "hookimpl",
     "hookspec",
 ]

@@ -203,6 +203,8 @@ class NoopUpdateHook(TrainingUpdateHook):
     """An update hook on all four update stages that proceeds and passes the loss through."""
 
     plugin_name = "noop_update"
+    vetoes = frozenset()
+    uses_gradients = False
 
 
 class _InertLoss(torch.Tensor):

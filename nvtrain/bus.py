@@ -1,17 +1,29 @@
-"""The event bus: pluggy underneath, with per-stage call lists computed up front.
+"""The event bus: pluggy's own plugin manager, with per-stage call lists computed up front.
 
-pluggy calls implementations last-registered-first and builds its call list on
-every call. nvtrain wants one ordering everywhere (ascending ``priority``, then
-registration order) and a near-free stage when nobody listens. So on every
-register/unregister the bus re-registers its plugins with pluggy in the order
-that makes pluggy's own call order equal nvtrain's, then compiles one callable
-per stage:
+The order of a stage's implementations is one rule, implemented here in
+:func:`_call_order_key` and nowhere else (lower first)::
+
+    1. wrappers (``wrapper=True`` / ``hookwrapper=True``) before plain implementations;
+    2. ascending priority: ``@nvtrain.hookimpl(priority=N)``, else the plugin's
+       ``priority`` attribute, else 50;
+    3. pluggy's ``tryfirst``, then plain, then ``trylast``;
+    4. registration order.
+
+Every registration path, the bus's own and pluggy's (``bus.pluggy.register``,
+``unregister``, ``set_blocked``, entry-point loading), goes through one
+:class:`pluggy.PluginManager` subclass. After each change it puts pluggy's hook
+callers in that order (so ``bus.pluggy.hook.<stage>(ctx=ctx)`` calls what the bus
+calls, in the same order) and compiles one callable per stage:
 
 - no implementation: a constant function, no pluggy call at all;
 - plain implementations only: a tight loop over the bound functions, with the
-  same results pluggy would return (non-``None`` results, or the first one for
-  the ``firstresult`` slots);
-- any wrapper, or tracing on (``NVTRAIN_TRACE=1``): pluggy's own hook caller.
+  results pluggy's ``_multicall`` gives (the non-``None`` results, or the first
+  one for the ``firstresult`` slots);
+- a wrapper, or hook-call monitoring (``add_hookcall_monitoring``,
+  ``enable_tracing``, ``NVTRAIN_TRACE=1``): pluggy's own hook caller, every
+  stage, so a monitor sees every stage call.
+
+Nothing is computed per call that could be computed at a change.
 """
 
 from __future__ import annotations
@@ -20,21 +32,28 @@ import itertools
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 import pluggy
 
 from nvtrain import hookspecs
-from nvtrain.hook import check_priority, hook_label
-from nvtrain.hookspecs import PROJECT_NAME
+from nvtrain.hook import DEFAULT_PRIORITY, check_priority, hook_label
+from nvtrain.hookspecs import PRIORITY_ATTRIBUTE, PROJECT_NAME
 from nvtrain.stages import REPLACEMENT_STAGES, TrainingStage
 
-__all__ = ["HookBus", "TRACE_ENV"]
+if TYPE_CHECKING:
+    from nvtrain.context import TrainingContext
+
+__all__ = ["TRACE_ENV", "HookBus"]
 
 #: Set to 1 to trace every hook call through pluggy's monitoring (to stderr).
 TRACE_ENV = "NVTRAIN_TRACE"
 
-StageCaller = Callable[[Any], Any]
+#: A compiled stage: results of the non-``firstresult`` stages are a list.
+StageCaller = Callable[["TrainingContext"], list[Any]]
+#: A compiled replacement slot (``firstresult``): the first non-``None`` result.
+SlotCaller = Callable[["TrainingContext"], Any]
+
 _STAGE_NAMES = tuple(stage.hook_name for stage in TrainingStage)
 _MARKER = PROJECT_NAME + "_impl"
 
@@ -47,6 +66,308 @@ def _no_result(ctx: Any) -> None:
     return None
 
 
+# -- the one ordering rule ----------------------------------------------------------------
+
+
+def _call_order_key(impl: pluggy.HookImpl, sequence: dict[str, int]) -> tuple[int, int, int, int]:
+    """Where ``impl`` is called in its stage, lower first (see the module docstring)."""
+    wrapper = 0 if (impl.wrapper or impl.hookwrapper) else 1
+    priority = getattr(impl.function, PRIORITY_ATTRIBUTE, None)
+    if priority is None:
+        priority = getattr(impl.plugin, "priority", DEFAULT_PRIORITY)
+    tier = 0 if impl.tryfirst else 2 if impl.trylast else 1
+    return wrapper, priority, tier, sequence.get(impl.plugin_name, -1)
+
+
+# -- pluggy's plugin manager, told about every change ---------------------------------------
+
+
+class _BusPluginManager(pluggy.PluginManager):
+    """pluggy's manager with nvtrain's registration checks and a change callback.
+
+    Overrides only pluggy's public, documented methods; every way to add or remove
+    a plugin or a monitor ends in one of them.
+    """
+
+    def __init__(self, on_change: Callable[[], None]) -> None:
+        super().__init__(PROJECT_NAME)
+        self.add_hookspecs(hookspecs)
+        self._on_change = on_change
+        self._sequence: dict[str, int] = {}
+        self._counter = itertools.count()
+        self.monitors = 0
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        if isinstance(plugin, type):
+            raise TypeError(f"register an instance, not the class {plugin.__qualname__}")
+        check_priority(plugin)
+        _refuse_unmarked_stage_methods(plugin)
+        _refuse_equal_twin(plugin, self.registered())
+        try:
+            registered = super().register(plugin, name)
+            self.check_pending()
+        except pluggy.PluginValidationError as err:
+            if self.is_registered(plugin):
+                super().unregister(plugin)
+            label = name or hook_label(plugin)
+            raise ValueError(f"plugin {label!r}: {err}. The stages are: {', '.join(_STAGE_NAMES)}") from err
+        if registered is None:  # a blocked name: pluggy registers nothing
+            return None
+        try:
+            _check_replacement_slots(self)
+        except ValueError:
+            super().unregister(plugin)
+            raise
+        self._sequence[registered] = next(self._counter)
+        self._on_change()
+        return registered
+
+    def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
+        if name is None and plugin is not None:
+            name = self.get_name(plugin)
+        removed = super().unregister(plugin, name)
+        if name is not None:
+            self._sequence.pop(name, None)
+        self._on_change()
+        return removed
+
+    def registered(self) -> list[object]:
+        """The registered plugins (blocked names left out), compared by identity, never hashed."""
+        return [plugin for _, plugin in self.list_name_plugin() if plugin is not None]
+
+    def holds(self, plugin: object) -> bool:
+        """Whether this very object is registered (pluggy's ``is_registered`` compares with ==)."""
+        return any(other is plugin for other in self.registered())
+
+    def add_hookcall_monitoring(self, before: Any, after: Any) -> Callable[[], None]:
+        undo = super().add_hookcall_monitoring(before, after)
+        self.monitors += 1
+        self._on_change()
+        undone = False
+
+        def undo_and_recompile() -> None:
+            nonlocal undone
+            undo()
+            if not undone:
+                undone = True
+                self.monitors -= 1
+                self._on_change()
+
+        return undo_and_recompile
+
+    def move(self, name: str, sequence: int) -> None:
+        """Give the plugin registered as ``name`` another place in registration order."""
+        self._sequence[name] = sequence
+        self._on_change()
+
+    def sequence_of(self, name: str) -> int:
+        return self._sequence[name]
+
+    def order_hook_callers(self) -> None:
+        """Put every stage's implementations in nvtrain's call order (pluggy calls its list from the end)."""
+        sequence = self._sequence
+        for name in _STAGE_NAMES:
+            caller: pluggy.HookCaller = getattr(self.hook, name)
+            # pluggy keeps the implementations in this list and calls it last-to-first;
+            # sorting it in place is the one write nvtrain makes into pluggy's state.
+            caller._hookimpls.sort(key=lambda impl: _call_order_key(impl, sequence), reverse=True)
+
+
+# -- the bus --------------------------------------------------------------------------------
+
+
+@final
+class HookBus:
+    """The plugins of one strategy, and one compiled caller per stage.
+
+    Call a stage as ``bus.before_batch(ctx)``; the result equals
+    ``bus.pluggy.hook.before_batch(ctx=ctx)``. ``bus.pluggy`` is a real
+    :class:`pluggy.PluginManager`: registering, unregistering, blocking or
+    monitoring through it takes effect at the next stage call.
+    """
+
+    __slots__ = (
+        "_pm",
+        "_tracing",
+        "_undo_tracing",
+        "after_backward",
+        "after_batch",
+        "after_epoch",
+        "after_forward",
+        "after_loss",
+        "after_optimizer_step",
+        "after_training",
+        "after_validation",
+        "before_backward",
+        "before_batch",
+        "before_epoch",
+        "before_forward",
+        "before_loss",
+        "before_optimizer_step",
+        "before_training",
+        "do_backward",
+        "do_optimizer_step",
+        "setup",
+    )
+
+    # One typed caller per stage, rebuilt by _compile() whenever the plugins change.
+    setup: StageCaller
+    before_training: StageCaller
+    before_epoch: StageCaller
+    before_batch: StageCaller
+    before_forward: StageCaller
+    after_forward: StageCaller
+    before_loss: StageCaller
+    after_loss: StageCaller
+    before_backward: StageCaller
+    do_backward: SlotCaller
+    after_backward: StageCaller
+    before_optimizer_step: StageCaller
+    do_optimizer_step: SlotCaller
+    after_optimizer_step: StageCaller
+    after_batch: StageCaller
+    after_epoch: StageCaller
+    after_training: StageCaller
+    after_validation: StageCaller
+
+    def __init__(self, *, trace: bool | None = None) -> None:
+        self._pm = _BusPluginManager(self._compile)
+        self._tracing = os.environ.get(TRACE_ENV, "") not in ("", "0") if trace is None else trace
+        self._undo_tracing: Callable[[], None] | None = None
+        self._compile()
+        if self._tracing:
+            self._pm.trace.root.setwriter(sys.stderr.write)
+            self._undo_tracing = self._pm.enable_tracing()
+
+    # -- registration -------------------------------------------------------
+
+    @property
+    def pluggy(self) -> pluggy.PluginManager:
+        """The plugin manager: its registrations, blocks and monitors are the bus's."""
+        return self._pm
+
+    @property
+    def tracing(self) -> bool:
+        return self._tracing
+
+    def register(self, plugin: object, name: str | None = None) -> str:
+        """Add a plugin that implements at least one stage; returns the name it got.
+
+        ``name`` labels the plugin in errors and traces (a plugin class's ``plugin_name``);
+        when another plugin already holds it, a numeric suffix keeps it unique, so two
+        instances of one plugin class (two loggers, one EMA per model) can coexist.
+        """
+        if self._pm.holds(plugin):
+            raise ValueError(f"plugin {hook_label(plugin)} is already registered on this strategy")
+        if not isinstance(plugin, type) and not _implements_a_stage(plugin):
+            raise TypeError(
+                f"plugin {hook_label(plugin)} implements no stage: give it a method named after a stage "
+                f"({', '.join(_STAGE_NAMES[:3])}, ...) marked @nvtrain.hookimpl, or subclass nvtrain.Hook "
+                "or nvtrain.TrainingUpdateHook"
+            )
+        unique = self._unique_name(name or f"{type(plugin).__qualname__}-{id(plugin):x}")
+        registered = self._pm.register(plugin, unique)
+        if registered is None:
+            raise ValueError(f"plugin name {unique!r} is blocked on this bus (bus.pluggy.set_blocked)")
+        return registered
+
+    def unregister(self, plugin: object) -> None:
+        if not self._pm.holds(plugin):
+            raise ValueError(f"plugin {hook_label(plugin)} is not registered")
+        self._pm.unregister(plugin)
+
+    def replace(self, old: object, new: object) -> None:
+        """Swap a registered plugin for another, keeping its name and place in the order.
+
+        On any error the bus is left as it was.
+        """
+        if self._pm.holds(new):
+            raise ValueError(f"plugin {hook_label(new)} is already registered on this strategy")
+        name = self._pm.get_name(old) if self._pm.holds(old) else None
+        if name is None:
+            raise ValueError(f"plugin {hook_label(old)} is not registered")
+        sequence = self._pm.sequence_of(name)
+        self._pm.unregister(old)
+        try:
+            self._pm.register(new, name)
+        except Exception:
+            self._pm.register(old, name)
+            self._pm.move(name, sequence)
+            raise
+        self._pm.move(name, sequence)
+
+    def _unique_name(self, name: str) -> str:
+        candidate = name
+        for number in itertools.count(2):
+            if self._pm.get_plugin(candidate) is None and not self._pm.is_blocked(candidate):
+                return candidate
+            candidate = f"{name}-{number}"
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def plugins(self) -> list[object]:
+        """Registered plugins by ascending ``priority``, then registration order."""
+        pm = self._pm
+        named = [(name, plugin) for name, plugin in pm.list_name_plugin() if plugin is not None]
+        named.sort(key=lambda item: (getattr(item[1], "priority", DEFAULT_PRIORITY), pm.sequence_of(item[0])))
+        return [plugin for _, plugin in named]
+
+    def implementations(self, stage: TrainingStage) -> list[pluggy.HookImpl]:
+        """The implementations of a stage in the order they are called (wrappers first)."""
+        return list(reversed(getattr(self._pm.hook, stage.hook_name).get_hookimpls()))
+
+    def call(self, stage: TrainingStage, ctx: Any) -> Any:
+        """Call ``stage`` by value (the loop calls the typed attributes directly)."""
+        caller: Callable[[Any], Any] = getattr(self, stage.hook_name)
+        return caller(ctx)
+
+    def close(self) -> None:
+        if self._undo_tracing is not None:
+            self._undo_tracing()
+            self._undo_tracing = None
+
+    # -- compilation --------------------------------------------------------
+
+    def _compile(self) -> None:
+        """Order pluggy's hook callers, then build each stage's caller from them."""
+        self._pm.order_hook_callers()
+        stage = self._compile_stage
+        self.setup = stage(TrainingStage.SETUP)
+        self.before_training = stage(TrainingStage.BEFORE_TRAINING)
+        self.before_epoch = stage(TrainingStage.BEFORE_EPOCH)
+        self.before_batch = stage(TrainingStage.BEFORE_BATCH)
+        self.before_forward = stage(TrainingStage.BEFORE_FORWARD)
+        self.after_forward = stage(TrainingStage.AFTER_FORWARD)
+        self.before_loss = stage(TrainingStage.BEFORE_LOSS)
+        self.after_loss = stage(TrainingStage.AFTER_LOSS)
+        self.before_backward = stage(TrainingStage.BEFORE_BACKWARD)
+        self.do_backward = stage(TrainingStage.DO_BACKWARD)
+        self.after_backward = stage(TrainingStage.AFTER_BACKWARD)
+        self.before_optimizer_step = stage(TrainingStage.BEFORE_OPTIMIZER_STEP)
+        self.do_optimizer_step = stage(TrainingStage.DO_OPTIMIZER_STEP)
+        self.after_optimizer_step = stage(TrainingStage.AFTER_OPTIMIZER_STEP)
+        self.after_batch = stage(TrainingStage.AFTER_BATCH)
+        self.after_epoch = stage(TrainingStage.AFTER_EPOCH)
+        self.after_training = stage(TrainingStage.AFTER_TRAINING)
+        self.after_validation = stage(TrainingStage.AFTER_VALIDATION)
+
+    def _compile_stage(self, stage: TrainingStage) -> Callable[[Any], Any]:
+        caller: pluggy.HookCaller = getattr(self._pm.hook, stage.hook_name)
+        impls = caller.get_hookimpls()
+        firstresult = stage in REPLACEMENT_STAGES
+        if self._pm.monitors or any(impl.wrapper or impl.hookwrapper for impl in impls):
+            return _through_pluggy(caller)
+        if not impls:
+            return _no_result if firstresult else _no_results
+        return _compile_plain(tuple(_bind(impl) for impl in reversed(impls)), firstresult)
+
+
+def _through_pluggy(caller: pluggy.HookCaller) -> Callable[[Any], Any]:
+    def call_pluggy(ctx: Any) -> Any:
+        return caller(ctx=ctx)
+
+    return call_pluggy
+
+
 def _bind(impl: pluggy.HookImpl) -> Callable[[Any], Any]:
     function = impl.function
     if tuple(impl.argnames) == ("ctx",):
@@ -54,7 +375,7 @@ def _bind(impl: pluggy.HookImpl) -> Callable[[Any], Any]:
     return lambda ctx: function()
 
 
-def _compile_plain(functions: tuple[Callable[[Any], Any], ...], firstresult: bool) -> StageCaller:
+def _compile_plain(functions: tuple[Callable[[Any], Any], ...], firstresult: bool) -> Callable[[Any], Any]:
     if firstresult and len(functions) == 1:
         return functions[0]  # its result is the first non-None result, or None: exactly pluggy's answer
     if firstresult:
@@ -88,180 +409,33 @@ def _compile_plain(functions: tuple[Callable[[Any], Any], ...], firstresult: boo
     return call_all
 
 
-def _compile_pluggy(caller: pluggy.HookCaller) -> StageCaller:
-    def call_pluggy(ctx: Any) -> Any:
-        return caller(ctx=ctx)
-
-    return call_pluggy
+# -- registration checks (both registration paths) -------------------------------------------
 
 
-@final
-class HookBus:
-    """Plugins in nvtrain order, and one compiled caller per stage.
-
-    Call a stage as ``bus.before_batch(ctx)`` (or ``bus.call(stage, ctx)``); the
-    result equals ``bus.pluggy.hook.before_batch(ctx=ctx)``.
-    """
-
-    __slots__ = (*_STAGE_NAMES, "_entries", "_pm", "_seq", "_tracing", "_undo_tracing")
-
-    def __init__(self, *, trace: bool | None = None) -> None:
-        self._pm = pluggy.PluginManager(PROJECT_NAME)
-        self._pm.add_hookspecs(hookspecs)
-        self._entries: list[tuple[int, int, str, object]] = []
-        self._seq = itertools.count()
-        self._tracing = os.environ.get(TRACE_ENV, "") not in ("", "0") if trace is None else trace
-        self._undo_tracing: Callable[[], None] | None = None
-        if self._tracing:
-            self._pm.trace.root.setwriter(sys.stderr.write)
-            self._undo_tracing = self._pm.enable_tracing()
-        self._compile()
-
-    # -- registration -------------------------------------------------------
-
-    @property
-    def pluggy(self) -> pluggy.PluginManager:
-        """The underlying plugin manager (its hook callers give the same results)."""
-        return self._pm
-
-    @property
-    def tracing(self) -> bool:
-        return self._tracing
-
-    def register(self, plugin: object, name: str | None = None) -> str:
-        """Add a plugin; its implementations run in ascending ``priority``, then registration order.
-
-        ``name`` labels the plugin in errors and traces (a plugin class's ``plugin_name``);
-        when another plugin already holds it, a numeric suffix keeps it unique, so two
-        instances of one plugin class (two loggers, one EMA per model) can coexist.
-        Returns the name used.
-        """
-        if any(entry[3] is plugin for entry in self._entries):
-            raise ValueError(f"plugin {hook_label(plugin)} is already registered on this strategy")
-        priority = check_priority(plugin)
-        _refuse_unmarked_stage_methods(plugin)
-        _refuse_equal_twin(plugin, [entry[3] for entry in self._entries])
-        name = self._unique_name(name or f"{type(plugin).__qualname__}-{id(plugin):x}")
-        try:
-            self._pm.register(plugin, name)
-            self._pm.check_pending()
-        except pluggy.PluginValidationError as err:
-            if self._pm.is_registered(plugin):
-                self._pm.unregister(plugin)
-            stages = ", ".join(_STAGE_NAMES)
-            raise ValueError(f"plugin {name!r}: {err}. The stages are: {stages}") from err
-        try:
-            self._check_replacement_slots()
-        except ValueError:
-            self._pm.unregister(plugin)
-            raise
-        self._entries.append((priority, next(self._seq), name, plugin))
-        self._reorder()
-        return name
-
-    def unregister(self, plugin: object) -> None:
-        for index, entry in enumerate(self._entries):
-            if entry[3] is plugin:
-                del self._entries[index]
-                self._pm.unregister(plugin)
-                self._reorder()
-                return
-        raise ValueError(f"plugin {hook_label(plugin)} is not registered")
-
-    def replace(self, old: object, new: object) -> None:
-        """Swap a registered plugin for another, keeping its place in the order."""
-        if any(entry[3] is new for entry in self._entries):
-            raise ValueError(f"plugin {hook_label(new)} is already registered on this strategy")
-        for index, (_, seq, name, plugin) in enumerate(self._entries):
-            if plugin is old:
-                new_priority = check_priority(new)
-                _refuse_unmarked_stage_methods(new)
-                _refuse_equal_twin(new, [entry[3] for entry in self._entries if entry[3] is not old])
-                self._pm.unregister(old)
-                try:
-                    self._pm.register(new, name)
-                    self._pm.check_pending()
-                    self._check_replacement_slots()
-                except Exception as err:
-                    if self._pm.is_registered(new):
-                        self._pm.unregister(new)
-                    self._pm.register(old, name)
-                    self._reorder()  # old is back, but registered last: restore pluggy's call order
-                    if isinstance(err, pluggy.PluginValidationError):
-                        raise ValueError(f"plugin {name!r}: {err}") from err
-                    raise
-                self._entries[index] = (new_priority, seq, name, new)
-                self._reorder()
-                return
-        raise ValueError(f"plugin {hook_label(old)} is not registered")
-
-    def _unique_name(self, name: str) -> str:
-        candidate = name
-        for number in itertools.count(2):
-            if self._pm.get_plugin(candidate) is None and not self._pm.is_blocked(candidate):
-                return candidate
-            candidate = f"{name}-{number}"
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def plugins(self) -> list[object]:
-        """Registered plugins in nvtrain order."""
-        return [entry[3] for entry in sorted(self._entries)]
-
-    def implementations(self, stage: TrainingStage) -> list[pluggy.HookImpl]:
-        """The implementations of a stage in the order they are called (wrappers first)."""
-        return list(reversed(getattr(self._pm.hook, stage.hook_name).get_hookimpls()))
-
-    def call(self, stage: TrainingStage, ctx: Any) -> Any:
-        return getattr(self, stage.hook_name)(ctx)
-
-    def close(self) -> None:
-        if self._undo_tracing is not None:
-            self._undo_tracing()
-            self._undo_tracing = None
-
-    # -- compilation --------------------------------------------------------
-
-    def _check_replacement_slots(self) -> None:
-        for stage in REPLACEMENT_STAGES:
-            owners = [
-                impl.plugin_name
-                for impl in getattr(self._pm.hook, stage.hook_name).get_hookimpls()
-                if not (impl.wrapper or impl.hookwrapper)
-            ]
-            if len(owners) > 1:
-                raise ValueError(
-                    f"stage {stage.name} is a replacement slot with one owner, but "
-                    f"{len(owners)} plugins implement it: {owners}. Observers use the BEFORE_/AFTER_ "
-                    "stages; a pluggy wrapper (wrapper=True) may wrap the slot."
-                )
-
-    def _reorder(self) -> None:
-        # pluggy calls the last registered first: register in descending nvtrain order.
-        ordered = sorted(self._entries, reverse=True)
-        for _, _, _, plugin in ordered:
-            self._pm.unregister(plugin)
-        for _, _, name, plugin in ordered:
-            self._pm.register(plugin, name)
-        self._compile()
-
-    def _compile(self) -> None:
-        for stage in TrainingStage:
-            caller = getattr(self._pm.hook, stage.hook_name)
-            impls = caller.get_hookimpls()
-            firstresult = stage in REPLACEMENT_STAGES
-            if not impls:
-                compiled: StageCaller = _no_result if firstresult else _no_results
-            elif self._tracing or any(impl.wrapper or impl.hookwrapper for impl in impls):
-                compiled = _compile_pluggy(caller)
-            else:
-                compiled = _compile_plain(tuple(_bind(impl) for impl in reversed(impls)), firstresult)
-            setattr(self, stage.hook_name, compiled)
+def _check_replacement_slots(pm: pluggy.PluginManager) -> None:
+    for stage in REPLACEMENT_STAGES:
+        owners = [
+            impl.plugin_name
+            for impl in getattr(pm.hook, stage.hook_name).get_hookimpls()
+            if not (impl.wrapper or impl.hookwrapper)
+        ]
+        if len(owners) > 1:
+            raise ValueError(
+                f"stage {stage.name} is a replacement slot with one owner, but "
+                f"{len(owners)} plugins implement it: {owners}. Observers use the BEFORE_/AFTER_ "
+                "stages; a pluggy wrapper (wrapper=True) may wrap the slot."
+            )
 
 
-def _refuse_equal_twin(plugin: object, registered: list[object]) -> None:
+def _implements_a_stage(plugin: object) -> bool:
+    """Any attribute marked with @nvtrain.hookimpl (a misspelled one too: registration then names it)."""
+    return any(hasattr(getattr(plugin, name, None), _MARKER) for name in dir(plugin) if not name.startswith("__"))
+
+
+def _refuse_equal_twin(plugin: object, registered: list[Any]) -> None:
     """pluggy tells plugins apart with ``==``: a distinct but equal plugin would be refused or confused."""
     for other in registered:
-        if other == plugin:
+        if other is not plugin and other == plugin:
             raise ValueError(
                 f"plugin {hook_label(plugin)} compares equal to the registered plugin {hook_label(other)}, "
                 "and pluggy tells plugins apart with ==; give the class identity equality "
@@ -271,8 +445,6 @@ def _refuse_equal_twin(plugin: object, registered: list[object]) -> None:
 
 def _refuse_unmarked_stage_methods(plugin: object) -> None:
     """A method named like a stage but not marked is almost always a forgotten decorator."""
-    if isinstance(plugin, type):
-        raise TypeError(f"register an instance, not the class {plugin.__qualname__}")
     for name in _STAGE_NAMES:
         method = getattr(plugin, name, None)
         if callable(method) and not hasattr(method, _MARKER):

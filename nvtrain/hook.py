@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_PRIORITY",
+    "PRIORITY_FIRST",
+    "PRIORITY_LAST",
     "CheckpointableHook",
     "Hook",
     "TrainingUpdateHook",
@@ -27,6 +29,12 @@ __all__ = [
 
 #: Priority of hooks that do not say otherwise; lower runs first.
 DEFAULT_PRIORITY = 50
+#: For an implementation that must see a stage before every ordinary hook (a resume).
+PRIORITY_FIRST = -10_000
+#: For an implementation that must see a stage after every ordinary hook (a save, a DDP wrap).
+PRIORITY_LAST = 10_000
+#: The stages on which an update hook's ``proceed=False`` is a veto.
+VETO_STAGES: frozenset[TrainingStage] = frozenset({TrainingStage.BEFORE_BATCH, TrainingStage.DO_OPTIMIZER_STEP})
 
 
 def hook_label(hook: object) -> str:
@@ -89,11 +97,27 @@ class TrainingUpdateHook:
     Class attributes: ``priority`` (lower first, default 50), ``stages`` (a subset
     of the four update stages) and ``exclusive_key`` (two hooks with the same key
     cannot be composed, e.g. two mixed-precision hooks).
+
+    Three more declare the hook's role in the decide-then-act rule (see
+    ``docs/update-hooks.md``); their defaults assume the most a seed-style hook
+    could do, so an undeclared hook is never trusted more than it should be:
+
+    - ``vetoes``: the stages on which ``proceed`` may be ``False`` (default: every
+      veto stage in ``stages``);
+    - ``uses_gradients``: whether, at DO_OPTIMIZER_STEP with ``will_skip=False``, it
+      reads or changes the gradients (unscale, clip, a norm; default: True when it
+      runs on DO_OPTIMIZER_STEP);
+    - ``veto_discards``: whether its DO_OPTIMIZER_STEP veto abandons the step, so the
+      next micro-batch starts from zeroed gradients (a spike skip), rather than
+      deferring it to accumulate more (default: False).
     """
 
     priority: int = DEFAULT_PRIORITY
     stages: ClassVar[frozenset[TrainingStage]] = UPDATE_STAGES
     exclusive_key: ClassVar[str | None] = None
+    vetoes: ClassVar[frozenset[TrainingStage] | None] = None
+    uses_gradients: ClassVar[bool | None] = None
+    veto_discards: ClassVar[bool] = False
 
     def __call__(
         self, ctx: TrainingContext, stage: TrainingStage, will_skip: bool
@@ -128,7 +152,45 @@ def validate_update_hook(hook: object) -> None:
             f"update hook {label}: 'stages' must be a non-empty subset of {{{allowed}}} "
             f"(got {sorted(s.name for s in stage_set) or 'nothing'})"
         )
+    vetoes = getattr(hook, "vetoes", None)
+    if vetoes is not None:
+        try:
+            veto_set = frozenset(TrainingStage(s) for s in vetoes)
+        except (TypeError, ValueError):
+            raise ValueError(f"update hook {label}: 'vetoes' must be TrainingStage values (got {vetoes!r})") from None
+        if not veto_set <= (VETO_STAGES & stage_set):
+            allowed = sorted(s.name for s in VETO_STAGES & stage_set) or "none: it runs on no veto stage"
+            raise ValueError(
+                f"update hook {label}: 'vetoes' may name only veto stages it runs on ({allowed}); "
+                f"got {sorted(s.name for s in veto_set)}"
+            )
+    for flag in ("uses_gradients", "veto_discards"):
+        value = getattr(hook, flag, None)
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"update hook {label}: {flag!r} must be a bool (got {value!r})")
     check_priority(hook)
+
+
+def may_veto(hook: object, stage: TrainingStage) -> bool:
+    """Whether ``hook`` may return ``proceed=False`` on ``stage`` (its ``vetoes``, else any veto stage it runs on)."""
+    declared = getattr(hook, "vetoes", None)
+    stages = frozenset(getattr(hook, "stages", ()))
+    if declared is None:
+        return stage in VETO_STAGES and stage in stages
+    return stage in frozenset(declared)
+
+
+def uses_gradients(hook: object) -> bool:
+    """Whether ``hook`` reads or changes gradients at DO_OPTIMIZER_STEP (default: when it runs there)."""
+    declared = getattr(hook, "uses_gradients", None)
+    if declared is None:
+        return TrainingStage.DO_OPTIMIZER_STEP in frozenset(getattr(hook, "stages", ()))
+    return bool(declared)
+
+
+def defers_step(hook: object) -> bool:
+    """Whether ``hook`` may veto DO_OPTIMIZER_STEP to keep accumulating (a veto that does not discard)."""
+    return may_veto(hook, TrainingStage.DO_OPTIMIZER_STEP) and not getattr(hook, "veto_discards", False)
 
 
 def check_priority(hook: object) -> int:

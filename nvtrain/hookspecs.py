@@ -27,15 +27,18 @@ Read this module first: it is the loop as the plugins see it. Every stage of
     after_training(ctx)
     after_validation(ctx)                       inside validate(), summary in ctx.validation
 
-Return values are ignored except where a spec says otherwise. Implementations
-run in ascending ``priority`` (an attribute of the plugin, default 50), with
-registration order breaking ties; pluggy ``wrapper=True`` implementations wrap
-the whole stage call.
+Return values are ignored except where a spec says otherwise. The order of the
+implementations of a stage is one rule, implemented in :mod:`nvtrain.bus`:
+ascending priority (``@nvtrain.hookimpl(priority=N)`` for one implementation,
+else the plugin's ``priority`` attribute, else 50), then pluggy's ``tryfirst`` /
+plain / ``trylast``, then registration order. ``wrapper=True`` implementations
+wrap the whole stage call, in the same order (the lowest priority outermost).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import pluggy
 
@@ -44,15 +47,52 @@ if TYPE_CHECKING:
 
     from nvtrain.context import TrainingContext
 
-__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+__all__ = ["PRIORITY_ATTRIBUTE", "PROJECT_NAME", "HookimplMarker", "hookimpl", "hookspec"]
 
 #: The pluggy project name: hook markers and entry points use it.
 PROJECT_NAME = "nvtrain"
+#: Where ``@hookimpl(priority=N)`` stores N on the implementing function.
+PRIORITY_ATTRIBUTE = PROJECT_NAME + "_priority"
+
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+class HookimplMarker(pluggy.HookimplMarker):
+    """pluggy's implementation marker, plus ``priority=N`` for one implementation.
+
+    A plugin's ``priority`` attribute orders all its implementations; a plugin that
+    must run early on one stage and late on another (a checkpoint plugin resumes
+    first and saves last) gives those implementations their own priority.
+    """
+
+    @overload  # type: ignore[override]
+    def __call__(self, function: _F, *, priority: int | None = None, **options: Any) -> _F: ...
+
+    @overload
+    def __call__(
+        self, function: None = None, *, priority: int | None = None, **options: Any
+    ) -> Callable[[_F], _F]: ...
+
+    def __call__(
+        self, function: _F | None = None, *, priority: int | None = None, **options: Any
+    ) -> _F | Callable[[_F], _F]:
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise TypeError(f"@nvtrain.hookimpl(priority=...) must be an int (got {priority!r})")
+        mark = super().__call__(**options)
+
+        def apply(func: _F) -> _F:
+            marked = mark(func)
+            if priority is not None:
+                setattr(func, PRIORITY_ATTRIBUTE, priority)
+            return marked
+
+        return apply(function) if function is not None else apply
+
 
 #: Marks a method as a hookspec of the nvtrain project.
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
-#: Marks a method as an implementation of an nvtrain stage.
-hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+#: Marks a method as an implementation of an nvtrain stage (``priority=N`` orders this one implementation).
+hookimpl = HookimplMarker(PROJECT_NAME)
 
 
 @hookspec

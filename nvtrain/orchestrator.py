@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, final
 
 import torch
 
-from nvtrain.hook import TrainingUpdateHook, hook_label, validate_update_hook
+from nvtrain.hook import (
+    TrainingUpdateHook,
+    defers_step,
+    hook_label,
+    may_veto,
+    uses_gradients,
+    validate_update_hook,
+)
 from nvtrain.hookspecs import hookimpl
 from nvtrain.stages import TrainingStage
 
@@ -33,6 +40,11 @@ class TrainingUpdateOrchestrator:
     calls ``backward()`` once, steps every optimizer unless DO_OPTIMIZER_STEP was
     vetoed, and steps an LR scheduler only when its optimizer really stepped.
 
+    Decide, then act: a composition in which a hook could veto DO_OPTIMIZER_STEP to
+    keep accumulating after another hook used the gradients there (unscaled,
+    clipped or measured them) is refused at construction; gradients a step used
+    are never accumulated into (a BEFORE_BATCH veto of their zeroing raises).
+
     It is a plugin on the bus (the only implementation of the two DO slots);
     strategies build one automatically from the bare update hooks they receive.
     Pre-compose with ``hook_a + hook_b``.
@@ -51,19 +63,24 @@ class TrainingUpdateOrchestrator:
             stage: tuple(h for h in ordered if stage in frozenset(h.stages))
             for stage in (_BEFORE_BATCH, _DO_BACKWARD, _DO_OPTIMIZER_STEP, _AFTER_OPTIMIZER_STEP)
         }
+        _check_decide_then_act(self._by_stage[_DO_OPTIMIZER_STEP])
         self._before_batch_hooks = self._by_stage[_BEFORE_BATCH]
         self._backward_hooks = self._by_stage[_DO_BACKWARD]
-        self._step_hooks = self._by_stage[_DO_OPTIMIZER_STEP]
+        self._step_plan = tuple(
+            (h, uses_gradients(h), defers_step(h)) for h in self._by_stage[_DO_OPTIMIZER_STEP]
+        )
         self._after_step_hooks = self._by_stage[_AFTER_OPTIMIZER_STEP]
-        # A stage no hook runs on is left off the bus (pluggy skips a non-routine attribute),
-        # so the strategy's dispatch for it stays the no-op constant.
-        if not self._before_batch_hooks:
-            self.before_batch = None  # type: ignore[assignment,method-assign]
-        if not self._after_step_hooks:
-            self.after_optimizer_step = None  # type: ignore[assignment,method-assign]
+        self._may_veto = {
+            stage: frozenset(id(h) for h in self._by_stage[stage] if may_veto(h, stage))
+            for stage in (_BEFORE_BATCH, _DO_OPTIMIZER_STEP)
+        }
         steppers = [h for h in ordered if callable(getattr(h, "step_optimizer", None))]
         self._stepper = steppers[0] if steppers else None
         self._optimizers: tuple[tuple[str, torch.optim.Optimizer, tuple[Any, ...]], ...] = ()
+        #: The first hook that used the gradients at the last DO_OPTIMIZER_STEP (None: none did).
+        self._gradients_used_by: TrainingUpdateHook | None = None
+        #: The update hook that vetoed zeroing at the current BEFORE_BATCH (None: none did).
+        self._zeroing_vetoed_by: TrainingUpdateHook | None = None
 
     # -- composition ---------------------------------------------------------
 
@@ -80,6 +97,9 @@ class TrainingUpdateOrchestrator:
     def __len__(self) -> int:
         return len(self.hooks)
 
+    def __bool__(self) -> bool:
+        return True  # an orchestrator without hooks still owns the DO slots: never falsy
+
     def hooks_for(self, stage: TrainingStage) -> tuple[TrainingUpdateHook, ...]:
         """The hooks that run on ``stage``, in call order."""
         return self._by_stage.get(TrainingStage(stage), ())
@@ -95,10 +115,43 @@ class TrainingUpdateOrchestrator:
     @hookimpl
     def before_batch(self, ctx: TrainingContext) -> bool | None:
         """Ask the hooks whether to zero gradients; ``False`` is a veto on the bus."""
-        return False if _vetoed_by(self._before_batch_hooks, ctx, _BEFORE_BATCH) else None
+        hooks = self._before_batch_hooks
+        if not hooks:
+            return None
+        vetoer = _first_veto(hooks, ctx, _BEFORE_BATCH, self._may_veto[_BEFORE_BATCH])
+        self._zeroing_vetoed_by = vetoer
+        return False if vetoer is not None else None
+
+    def settle_zeroing(self, votes: list[Any], voters: Callable[[], list[str]]) -> None:
+        """Act on BEFORE_BATCH's final decision: zero every optimizer's gradients unless a vote vetoed.
+
+        ``votes`` are the bus's BEFORE_BATCH results (strict bools; ``False`` vetoes);
+        ``voters`` names the implementations, for an error. Gradients that the last
+        DO_OPTIMIZER_STEP used (unscaled, clipped, measured) must be zeroed: keeping
+        them would add this micro-batch's gradients to ones already acted on.
+        """
+        if votes and _vetoed(votes, voters):
+            used_by = self._gradients_used_by
+            if used_by is not None:
+                who = self._zeroing_vetoed_by
+                vetoer = f"update hook {hook_label(who)}" if who is not None else f"one of {voters()}"
+                raise RuntimeError(
+                    f"stage BEFORE_BATCH: {vetoer} vetoed gradient zeroing, but update hook "
+                    f"{hook_label(used_by)} already used these gradients at the last DO_OPTIMIZER_STEP "
+                    "(a step that was taken or discarded); accumulating into them would mix gradients "
+                    "that were acted on with fresh ones. Veto DO_OPTIMIZER_STEP on the micro-batches "
+                    "that keep accumulating, at a priority below the hooks that use gradients."
+                )
+            self._zeroing_vetoed_by = None
+            return
+        self._gradients_used_by = None
+        self._zeroing_vetoed_by = None
+        for _, optimizer, _ in self._optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
     def zero_gradients(self) -> None:
         """Zero every optimizer's gradients (``set_to_none=True``)."""
+        self._gradients_used_by = None
         for _, optimizer, _ in self._optimizers:
             optimizer.zero_grad(set_to_none=True)
 
@@ -118,7 +171,11 @@ class TrainingUpdateOrchestrator:
         loss = original
         try:
             for hook in self._backward_hooks:
-                _, loss = hook(ctx, _DO_BACKWARD, False)
+                result = hook(ctx, _DO_BACKWARD, False)
+                try:
+                    _, loss = result
+                except (TypeError, ValueError):
+                    raise _bad_result(hook, _DO_BACKWARD, result) from None
                 if not isinstance(loss, torch.Tensor):
                     raise TypeError(
                         f"update hook {hook_label(hook)} at stage DO_BACKWARD must return a "
@@ -133,9 +190,28 @@ class TrainingUpdateOrchestrator:
 
     @hookimpl
     def do_optimizer_step(self, ctx: TrainingContext) -> bool:
-        """Ask the hooks, then step optimizers and their schedulers unless vetoed."""
+        """Ask the hooks in order, then step optimizers and their schedulers unless vetoed."""
+        will_skip = False
+        used_by = None
+        allowed = self._may_veto[_DO_OPTIMIZER_STEP]
+        for hook, uses, defers in self._step_plan:
+            result = hook(ctx, _DO_OPTIMIZER_STEP, will_skip)
+            try:
+                proceed, _ = result
+            except (TypeError, ValueError):
+                raise _bad_result(hook, _DO_OPTIMIZER_STEP, result) from None
+            if proceed is True:
+                if uses and not will_skip and used_by is None:
+                    used_by = hook
+            else:
+                _check_veto(hook, _DO_OPTIMIZER_STEP, proceed, allowed)
+                # a deferring veto is a decision taken before acting; any other veto may follow a use
+                if uses and not will_skip and used_by is None and not defers:
+                    used_by = hook
+                will_skip = True
+        self._gradients_used_by = used_by
         stepped = False
-        if not self._step_hooks or not _vetoed_by(self._step_hooks, ctx, _DO_OPTIMIZER_STEP):
+        if not will_skip:
             stepper = self._stepper
             for name, optimizer, schedulers in self._optimizers:
                 if stepper is None:
@@ -174,23 +250,85 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
     return (value,)
 
 
-def _vetoed_by(hooks: tuple[TrainingUpdateHook, ...], ctx: TrainingContext, stage: TrainingStage) -> bool:
-    """Ask every hook in order, each told whether an earlier one vetoed; True when any returned False."""
-    will_skip = False
+def _first_veto(
+    hooks: tuple[TrainingUpdateHook, ...], ctx: TrainingContext, stage: TrainingStage, allowed: frozenset[int]
+) -> TrainingUpdateHook | None:
+    """Ask every hook in order, each told whether an earlier one vetoed; return the first that vetoed."""
+    vetoer = None
     for hook in hooks:
-        proceed, _ = hook(ctx, stage, will_skip)
+        result = hook(ctx, stage, vetoer is not None)
+        try:
+            proceed, _ = result
+        except (TypeError, ValueError):
+            raise _bad_result(hook, stage, result) from None
         if proceed is not True:
-            if proceed is not False:
-                raise _bad_proceed(hook, stage, proceed)
-            will_skip = True
-    return will_skip
+            _check_veto(hook, stage, proceed, allowed)
+            if vetoer is None:
+                vetoer = hook
+    return vetoer
 
 
-def _bad_proceed(hook: object, stage: TrainingStage, proceed: object) -> TypeError:
+def _check_veto(hook: object, stage: TrainingStage, proceed: object, allowed: frozenset[int]) -> None:
+    """A veto must be a real ``False`` from a hook that declared it may veto ``stage``."""
+    if proceed is not False:
+        raise TypeError(
+            f"update hook {hook_label(hook)} at stage {stage.name} must return proceed as a strict "
+            f"bool (True or False), got {type(proceed).__name__}: {proceed!r}"
+        )
+    if id(hook) not in allowed:
+        raise TypeError(
+            f"update hook {hook_label(hook)} vetoed stage {stage.name}, but its 'vetoes' declaration "
+            f"({sorted(s.name for s in getattr(hook, 'vetoes', None) or ())}) does not include it; "
+            "declare every stage a hook may veto, so compositions are checked against it"
+        )
+
+
+def _bad_result(hook: object, stage: TrainingStage, result: object) -> TypeError:
+    expected = "(proceed, loss) with loss a torch.Tensor" if stage is _DO_BACKWARD else "(proceed, loss)"
     return TypeError(
-        f"update hook {hook_label(hook)} at stage {stage.name} must return proceed as a strict "
-        f"bool (True or False), got {type(proceed).__name__}: {proceed!r}"
+        f"update hook {hook_label(hook)} at stage {stage.name} must return a 2-tuple {expected}, "
+        f"got {type(result).__name__}: {result!r}"
     )
+
+
+def _vetoed(votes: list[Any], voters: Callable[[], list[str]]) -> bool:
+    """Whether BEFORE_BATCH's bus results hold a veto; anything but True/False/None is an error."""
+    vetoed = False
+    for vote in votes:
+        if vote is False:
+            vetoed = True
+        elif vote is not True:
+            raise TypeError(
+                f"stage BEFORE_BATCH: one of {voters()} returned {type(vote).__name__} {vote!r}; "
+                "expected False (veto gradient zeroing), True or None (no veto)"
+            )
+    return vetoed
+
+
+def _check_decide_then_act(step_hooks: Sequence[TrainingUpdateHook]) -> None:
+    """Refuse a DO_OPTIMIZER_STEP order in which a deferring veto could follow a hook that used the gradients.
+
+    Vetoes that defer the step (accumulation) must all be cast before any hook
+    unscales, clips or measures the gradients: otherwise an accumulating micro-batch
+    would leave gradients that were already acted on, and the next micro-batch's
+    gradients would be added to them at another scale.
+    """
+    first_user: TrainingUpdateHook | None = None
+    for hook in step_hooks:
+        if first_user is not None and defers_step(hook):
+            user, label = hook_label(first_user), hook_label(hook)
+            raise ValueError(
+                f"update hooks {label} (priority {hook.priority}) and {user} (priority "
+                f"{first_user.priority}) cannot be composed in this order: at stage DO_OPTIMIZER_STEP "
+                f"{user} uses the gradients (unscales, clips or measures them) before {label}, which may "
+                f"veto the step to keep accumulating, so gradients acted on for a step that does not happen "
+                f"would be accumulated into. Give {label} a priority below {first_user.priority} (gradient "
+                f"accumulation runs at 10); or, if its veto abandons the step (the next micro-batch zeroes the "
+                f"gradients), declare veto_discards = True on it; or, if {user} does not touch the "
+                "gradients, declare uses_gradients = False on it."
+            )
+        if first_user is None and uses_gradients(hook):
+            first_user = hook
 
 
 def _check_composition(hooks: Sequence[object]) -> None:

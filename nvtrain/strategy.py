@@ -270,6 +270,10 @@ class TrainingStrategy:
             self._bus.register(hook, getattr(hook, "plugin_name", None))
         self._closables.append(hook)
 
+    def _before_batch_voters(self) -> list[str]:
+        """The plugins whose BEFORE_BATCH votes are counted, for an error message."""
+        return [impl.plugin_name for impl in self._bus.implementations(_BEFORE_BATCH)]
+
     def _register_observer_side(self, hook: TrainingUpdateHook) -> None:
         """An update hook may also observe stages through @hookimpl methods."""
         if _has_hookimpls(hook):
@@ -452,9 +456,7 @@ class TrainingStrategy:
         ctx, bus = self.ctx, self._bus
         ctx.batch = self._move_batch(batch)
         ctx.stage = _BEFORE_BATCH
-        votes = bus.before_batch(ctx)
-        if not votes or not _vetoed(votes, bus):
-            self._orchestrator.zero_gradients()
+        self._orchestrator.settle_zeroing(bus.before_batch(ctx), self._before_batch_voters)
         ctx.stage = _BEFORE_FORWARD
         bus.before_forward(ctx)
         ctx.outputs = self._forward(ctx)
@@ -683,20 +685,6 @@ class TrainingStrategy:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-def _vetoed(votes: list[Any], bus: HookBus) -> bool:
-    vetoed = False
-    for vote in votes:
-        if vote is False:
-            vetoed = True
-        elif vote is not True:
-            names = [impl.plugin_name for impl in bus.implementations(S.BEFORE_BATCH)]
-            raise TypeError(
-                f"stage BEFORE_BATCH: one of {names} returned {type(vote).__name__} {vote!r}; "
-                "expected False (veto gradient zeroing), True or None (no veto)"
-            )
-    return vetoed
 
 
 def _local_batch_size(loader: Any) -> int:

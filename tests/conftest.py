@@ -87,6 +87,7 @@ class VetoStep(nvtrain.TrainingUpdateHook):
     """Vetoes DO_OPTIMIZER_STEP on the micro-batches whose 0-based index is in ``veto_batches``."""
 
     stages = frozenset({TrainingStage.DO_OPTIMIZER_STEP})
+    uses_gradients = False  # it decides from the batch index alone
 
     def __init__(self, veto_batches: Iterable[int] | Callable[[int], bool], priority: int = 50) -> None:
         self.priority = priority

@@ -204,20 +204,21 @@ def test_compiled_stages_equal_pluggy_results_and_call_order() -> None:
         assert our_calls == log, stage
         assert bus.call(stage, ctx) == theirs, stage
     # spot-check what came back, so equality is not vacuous
-    assert bus.before_batch(ctx) == [True, False]
+    # priority first: p1 (40) before p3 (50); p3's tryfirst only breaks ties among equal priorities
+    assert bus.before_batch(ctx) == [False, True]
     assert bus.do_backward(ctx) == "loss-from-p1"
     assert bus.do_optimizer_step(ctx) is None
     log.clear()
     assert bus.after_batch(ctx) == ["p4", "p2-noctx", "p3"]
     assert log == ["p4.after_batch", "p2.after_batch", "p1.after_batch", "p3.after_batch"]
     log.clear()
-    assert bus.after_loss(ctx) == ["p1", "p2"]
-    # wrappers nest in nvtrain order (p4 has priority 10: outermost); trylast keeps p2 last
+    assert bus.after_loss(ctx) == ["p2", "p1"]
+    # wrappers nest in nvtrain order (p4 has priority 10: outermost); p2 (10, trylast) still precedes p1 (40)
     assert log == [
         "p4.after_loss:in",
         "p3.after_loss:in",
-        "p1.after_loss",
         "p2.after_loss",
+        "p1.after_loss",
         "p3.after_loss:out",
         "p4.after_loss:out",
     ]

@@ -22,6 +22,8 @@ ALL_UPDATE = frozenset({S.BEFORE_BATCH, S.DO_BACKWARD, S.DO_OPTIMIZER_STEP, S.AF
 class Recording(TrainingUpdateHook):
     """Records ``(label, stage, will_skip)``; vetoes the stages in ``veto``."""
 
+    uses_gradients = False  # it only records: any order of these may be composed
+
     def __init__(
         self,
         label: str,
@@ -331,6 +333,7 @@ class AttrsHook(TrainingUpdateHook):
     log: list[str]
     priority: int = 50
     stages = frozenset({S.DO_OPTIMIZER_STEP})
+    uses_gradients = False
 
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
         self.log.append(f"attrs{self.priority}")

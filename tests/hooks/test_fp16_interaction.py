@@ -68,6 +68,8 @@ class VetoAt(nvtrain.TrainingUpdateHook):
 
     priority = 30
     stages = frozenset({S.DO_OPTIMIZER_STEP})
+    uses_gradients = False
+    veto_discards = True  # a vetoed micro-batch's gradients are zeroed by the next one (no accumulation)
 
     def __init__(self, batches: set[int]) -> None:
         self.batches = batches

@@ -107,6 +107,7 @@ class VetoOn(nvtrain.TrainingUpdateHook):
     batches: frozenset[int]
     priority: int = 40
     stages = frozenset({S.DO_OPTIMIZER_STEP})
+    veto_discards = True  # like a spike skip: the vetoed step's gradients are zeroed by the next micro-batch
     grads_seen: list[torch.Tensor] = attrs.field(factory=list)
 
     def __call__(self, ctx: Any, stage: S, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
@@ -551,6 +552,7 @@ def test_a_batch_that_raised_after_unscale_does_not_break_the_next() -> None:
     class RaiseOnce(nvtrain.TrainingUpdateHook):
         priority: int = 40
         stages = frozenset({S.DO_OPTIMIZER_STEP})
+        vetoes = frozenset()  # it raises, it never vetoes
         raised: bool = False
 
         def __call__(self, ctx: Any, stage: S, will_skip: bool) -> tuple[bool, torch.Tensor | None]:

@@ -152,7 +152,7 @@ class DDPHook:
 
     # -- SETUP -------------------------------------------------------------------------
 
-    @nvtrain.hookimpl(trylast=True)
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
     def setup(self, ctx: nvtrain.TrainingContext) -> None:
         """Resolve the process group, wrap the models, inject the sampler."""
         self._ctx = ctx
@@ -302,13 +302,13 @@ class DDPHook:
 
     # -- one all-reduce per optimizer step -------------------------------------------------
 
-    @nvtrain.hookimpl(tryfirst=True)
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_FIRST)
     def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
         # A micro-batch that raised between forward and backward must not leave no_sync on.
         if self._no_sync is not None:
             self._leave_no_sync()
 
-    @nvtrain.hookimpl(trylast=True)
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
     def before_forward(self, ctx: nvtrain.TrainingContext) -> None:
         """Enter ``no_sync()`` on a micro-batch that does not end its window."""
         if ctx.sync_gradients or not self._ddp_modules or self._no_sync is not None:
@@ -318,7 +318,7 @@ class DDPHook:
             stack.enter_context(module.no_sync())
         self._no_sync = stack
 
-    @nvtrain.hookimpl(tryfirst=True)
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_FIRST)
     def after_backward(self, ctx: nvtrain.TrainingContext) -> None:
         if self._no_sync is not None:
             self._leave_no_sync()
