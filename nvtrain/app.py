@@ -8,16 +8,21 @@ model and loaders, and run a :class:`~nvtrain.TrainingStrategy`.
 
 Exit statuses (documented in ``docs/cli.md``): :data:`EXIT_OK`,
 :data:`EXIT_FAILURE` (training raised; the traceback is printed),
-:data:`EXIT_USAGE` (bad config or arguments; one line on stderr) and
+:data:`EXIT_USAGE` (bad config, arguments or resume; one line on stderr),
+:data:`EXIT_DIVERGED` (too many skipped steps in a row),
 :data:`EXIT_PREEMPTED` (a preemption signal stopped the run after a
-checkpoint; run the same command again to resume).
+checkpoint; run the same command again to resume),
+:data:`EXIT_PREEMPTED_UNSAVED` (stopped by a preemption signal, nothing saved)
+and :data:`EXIT_INTERRUPTED` (a second Ctrl-C).
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import inspect
+import logging
 import math
 import os
 import random
@@ -32,29 +37,43 @@ from typing import Any, TextIO
 import attrs
 import torch
 
-from nvtrain.config import LoadedConfig, RunConfig, dump_config, resolve_import_path
+from nvtrain.config import LoadedConfig, RunConfig, resolve_import_path
+from nvtrain.errors import ResumeError
 from nvtrain.hookspecs import hookimpl
 
 __all__ = [
+    "EXIT_DIVERGED",
     "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_PREEMPTED",
+    "EXIT_PREEMPTED_UNSAVED",
     "EXIT_USAGE",
+    "Built",
     "Plan",
     "TrainOutcome",
+    "build",
     "builtin_hook_classes",
     "prepare",
     "train",
 ]
 
+logger = logging.getLogger(__name__)
+
 #: The run finished (all epochs or ``max_steps``).
 EXIT_OK = 0
 #: Training raised an exception (its traceback is printed).
 EXIT_FAILURE = 1
-#: The config or the command line is wrong; nothing was trained or written.
+#: The config, the command line or the checkpoint to resume from is wrong; nothing was trained or written.
 EXIT_USAGE = 2
+#: The run stopped as diverged: ``trainer.max_consecutive_skipped_steps`` steps in a row were skipped.
+EXIT_DIVERGED = 3
 #: A preemption signal stopped the run after a checkpoint (``EX_TEMPFAIL``): requeue and rerun to resume.
 EXIT_PREEMPTED = 75
+#: A preemption signal stopped the run but no checkpoint hook saved it: a rerun starts from step 0.
+EXIT_PREEMPTED_UNSAVED = 76
+#: A second Ctrl-C aborted the run at once (128 + SIGINT, the shell's convention).
+EXIT_INTERRUPTED = 130
 
 #: Hook constructor parameters that name an output location, and where they default to in the run directory.
 _OUTPUT_PARAMETERS = {"checkpoint_dir": "checkpoints", "output_dir": None, "log_dir": None}
@@ -240,7 +259,9 @@ def _build_hooks(loaded: LoadedConfig, search: Sequence[Path]) -> list[object]:
     from nvtrain import plugins
 
     builtin = builtin_hook_classes()
-    installed = {info.name for info in plugins.available()}
+    listed = plugins.available()
+    installed = {info.name for info in listed if info.status != plugins.PluginStatus.MISSING}
+    missing = sorted(info.name for info in listed if info.status == plugins.PluginStatus.MISSING)
     hooks = []
     for index, entry in enumerate(loaded.config.hooks):
         path = ("hooks", index)
@@ -260,15 +281,35 @@ def _build_hooks(loaded: LoadedConfig, search: Sequence[Path]) -> list[object]:
             settings = _default_outputs(cls, settings, loaded.config.run_dir, name.rpartition(":")[2])
             hooks.append(_construct(loaded, path, name, functools.partial(plugins_build, cls, settings, name)))
         else:
-            known = sorted({*builtin, *installed})
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise loaded.error(
-                f"unknown hook {name!r}{hint} (installed plugins: {', '.join(sorted(installed)) or 'none'}; "
-                f"built-in hooks: {', '.join(sorted(builtin))}; or an import path 'package.module:HookClass')",
-                (*path, "name"),
-            )
+            raise loaded.error(_unknown_hook(name, builtin, installed, missing), (*path, "name"))
     return hooks
+
+
+def _unknown_hook(name: str, builtin: Mapping[str, type], installed: set[str], missing: Sequence[str]) -> str:
+    """Why ``name`` names no hook: a typo, or a plugin the ``NVTRAIN_PLUGINS`` allow-list hides."""
+    from nvtrain.plugins import ALLOW_LIST_ENV
+    from nvtrain.plugins._environment import allow_list
+
+    allowed = allow_list()
+    if allowed is not None and name in {record.name for record in _all_entry_points()}:
+        return (
+            f"hook {name!r} is an installed plugin that {ALLOW_LIST_ENV}={','.join(allowed)} does not allow "
+            f"(add it to {ALLOW_LIST_ENV}, or unset it)"
+        )
+    known = sorted({*builtin, *installed})
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    not_installed = f"; named in {ALLOW_LIST_ENV} but not installed: {', '.join(missing)}" if missing else ""
+    return (
+        f"unknown hook {name!r}{hint} (installed plugins: {', '.join(sorted(installed)) or 'none'}{not_installed}; "
+        f"built-in hooks: {', '.join(sorted(builtin))}; or an import path 'package.module:HookClass')"
+    )
+
+
+def _all_entry_points() -> Sequence[Any]:
+    from nvtrain.plugins._registry import REGISTRY
+
+    return REGISTRY.records()
 
 
 def plugins_build(cls: type, settings: Mapping[str, Any], name: str) -> Any:
@@ -348,14 +389,355 @@ def _env_world_size() -> int:
         return 1
 
 
+# -- building ---------------------------------------------------------------------------------------------
+
+
+@attrs.define
+class Built:
+    """Everything ``train`` builds before the first step: the strategy, its loaders, the resume decision."""
+
+    strategy: Any
+    train_loader: Any
+    watch: _RunWatch
+    #: Optimizer steps of the whole run (None when the loader has no len() and no max_steps is set).
+    run_length: int | None
+    #: The checkpoint the run resumes from, its step, and the config changes since it was written.
+    resume_from: Path | None = None
+    resume_step: int = 0
+    changes: list[Any] = attrs.field(factory=list)
+    #: The resolved config as written to ``config.yaml`` (changes of no effect reverted).
+    effective_config: dict[str, Any] = attrs.field(factory=dict)
+
+
+def build(plan: Plan, manager: Any = None) -> Built:
+    """Build model, loaders, optimizer, LR scheduler, hooks and the strategy; decide the resume.
+
+    Nothing is trained and nothing is written. A factory that refuses its arguments
+    (``lr=-1``, ``batch_size=0``), a hook stack that cannot be composed (two
+    mixed-precision hooks), an empty training loader, a corrupt checkpoint to resume
+    from, or a config change a resume cannot honour raises a located
+    :class:`~nvtrain.config.ConfigError`: ``nvtrain validate`` and ``nvtrain train``
+    report it in one line with exit status 2.
+    """
+    from nvtrain.strategy import TrainingStrategy
+    from nvtrain.validation import ValidationConfig
+
+    loaded, config = plan.loaded, plan.config
+    rank = manager.rank if manager is not None else 0
+    world_size = manager.world_size if manager is not None else 1
+    model = _constructing(loaded, ("model",), config.model.factory, lambda: plan.model_factory(**config.model.kwargs))
+    if not isinstance(model, torch.nn.Module):
+        raise loaded.error(
+            f"{config.model.factory} returned {type(model).__name__}, not a torch.nn.Module", ("model", "factory")
+        )
+    data = _constructing(loaded, ("data",), config.data.factory, lambda: plan.data_factory(**config.data.kwargs))
+    try:
+        train_loader, val_loader = _split_loaders(data, config.data.factory)
+    except TypeError as err:
+        raise loaded.error(str(err), ("data", "factory")) from None
+    if _length(train_loader) == 0:
+        raise loaded.error(
+            f"{config.data.factory} returned an empty training loader (len() == 0): no batch to train on",
+            ("data",),
+        )
+    run_length = _run_length(config, train_loader, world_size)
+    if plan.scheduler_total_steps and run_length is None:
+        raise loaded.error(
+            "the run's step count is unknown (the training loader has no len()); set trainer.max_steps or give "
+            f"{' / '.join(plan.scheduler_total_steps)} in lr_scheduler.kwargs",
+            ("lr_scheduler",),
+        )
+    # The optimizer and scheduler factories, tried once on the model's parameters (the strategy builds
+    # the real ones after SETUP, on the possibly wrapped model): their own checks run here.
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise loaded.error(f"{config.model.factory} built a model with no trainable parameters", ("model",))
+    optimizer = _constructing(loaded, ("optimizer",), config.optimizer.factory, lambda: plan.optimizer_factory(params))
+    fresh: dict[str, dict[str, Any]] = {}
+    holder: dict[str, Any] = {}
+    schedulers = None
+    if plan.scheduler_factory is not None:
+        section = config.lr_scheduler
+        assert section is not None
+        horizon = {name: max(1, run_length or 1) for name in plan.scheduler_total_steps}
+        _constructing(loaded, ("lr_scheduler",), section.factory, lambda: plan.scheduler_factory(optimizer, **horizon))
+        schedulers = _scheduler_factory(plan, holder, fresh)
+    validation = None
+    section_v = config.validation
+    if val_loader is not None and (section_v.every_n_epochs is not None or section_v.every_n_steps is not None):
+        validation = ValidationConfig(
+            data=val_loader,
+            every_n_steps=section_v.every_n_steps,
+            every_n_epochs=section_v.every_n_epochs,
+            use_mixed_precision=section_v.use_mixed_precision,
+            use_ema=plan.use_ema,
+            metrics=plan.metrics,
+        )
+    strategy = _constructing(
+        loaded,
+        ("hooks",),
+        "the training strategy",
+        lambda: TrainingStrategy(
+            models=model,
+            optimizers=plan.optimizer_factory,
+            loss_fn=plan.loss_fn,
+            lr_schedulers=schedulers,
+            forward_fn=plan.forward_fn,
+            hooks=plan.hooks,  # type: ignore[arg-type]  # mypy misreads the field's converter=tuple
+            device=None if config.device == "auto" else config.device,
+            validation=validation,
+            step_scheduler=config.trainer,
+            distributed_manager=manager,
+        ),
+    )
+    holder["strategy"] = strategy
+    watch = _RunWatch(plan, rank)
+    strategy.register_hook(watch)
+    built = Built(strategy=strategy, train_loader=train_loader, watch=watch, run_length=run_length)
+    _plan_resume(plan, built, rank, world_size, fresh)
+    watch.effective_config = built.effective_config
+    return built
+
+
+def _constructing(loaded: LoadedConfig, path: tuple[str | int, ...], what: str, make: Callable[[], Any]) -> Any:
+    """Call ``make``; a ValueError / TypeError it raises becomes one located line naming ``what``."""
+    from nvtrain.config import ConfigError
+
+    try:
+        return make()
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AssertionError) as err:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise loaded.error(f"{what}: {text}", _blame(loaded, path, text)) from None
+
+
+def _blame(loaded: LoadedConfig, path: tuple[str | int, ...], message: str) -> tuple[str | int, ...]:
+    """The most specific config key behind a factory's error: a kwarg the message names, else one
+    the command line just set, else the section."""
+    section: Any = loaded.config
+    for part in path:
+        section = getattr(section, str(part), None)
+    kwargs = getattr(section, "kwargs", None)
+    if not isinstance(kwargs, Mapping):
+        return path
+    for key in kwargs:
+        if re.search(rf"\b{re.escape(str(key))}\b", message):
+            return (*path, "kwargs", key)
+    for key in kwargs:
+        if loaded.locations.get((*path, "kwargs", key), "").startswith("--set"):
+            return (*path, "kwargs", key)
+    return path
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _run_length(config: RunConfig, loader: Any, world: int, *, per_rank: bool = False) -> int | None:
+    """Optimizer steps of the whole run (absolute, like ``max_steps``); None when the loader has no len().
+
+    ``per_rank``: ``loader`` already yields one rank's share (after SETUP, where the DDP
+    plugin re-samples it); otherwise, under several ranks, the share is estimated as a
+    DistributedSampler cuts it.
+    """
+    trainer = config.trainer
+    batches = _length(loader)
+    local_batch = getattr(loader, "batch_size", None)
+    local = local_batch if isinstance(local_batch, int) and local_batch > 0 else 1
+    if batches and world > 1 and not per_rank and not _is_distributed_sampler(getattr(loader, "sampler", None)):
+        samples = _length(getattr(loader, "dataset", None))
+        drop_last = bool(getattr(loader, "drop_last", False))
+        if samples and local_batch:
+            share = math.ceil(samples / world)
+            batches = share // local if drop_last else math.ceil(share / local)
+        else:
+            batches = math.ceil(batches / world)
+    accumulation = max(1, trainer.global_batch_size // (local * world)) if trainer.global_batch_size else 1
+    epoch_len = math.ceil(batches / accumulation) if batches else None
+    num_epochs = trainer.num_epochs if trainer.num_epochs is not None or trainer.max_steps is not None else 1
+    candidates = [trainer.max_steps] if trainer.max_steps is not None else []
+    if num_epochs is not None and epoch_len is not None:
+        candidates.append(num_epochs * epoch_len)
+    return max(1, min(candidates)) if candidates else None
+
+
+def _is_distributed_sampler(sampler: Any) -> bool:
+    return isinstance(sampler, torch.utils.data.distributed.DistributedSampler)
+
+
+def _split_loaders(result: Any, spec: str) -> tuple[Any, Any]:
+    """Accept ``(train, val)``, ``{"train": ..., "validation": ...}`` or a lone train loader."""
+    if isinstance(result, Mapping):
+        unknown = set(result) - {"train", "validation", "val"}
+        if "train" not in result or unknown:
+            raise TypeError(
+                f"{spec} returned a mapping with keys {sorted(result)}; expected 'train' and optionally 'validation'"
+            )
+        return result["train"], result.get("validation", result.get("val"))
+    if isinstance(result, (tuple, list)):
+        if len(result) != 2:
+            raise TypeError(f"{spec} returned {len(result)} items; expected (train, validation)")
+        return result[0], result[1]
+    return result, None
+
+
+def _scheduler_factory(
+    plan: Plan, holder: Mapping[str, Any], fresh: dict[str, dict[str, Any]]
+) -> Callable[[torch.optim.Optimizer], Any]:
+    """Build the LR scheduler when the strategy asks (after SETUP), with the run's step count filled in
+    from the loader the strategy holds then (re-sampled per rank under DDP).
+
+    The state it starts with is kept in ``fresh``: a resume that restores an older
+    schedule takes the new horizon from it.
+    """
+    factory = plan.scheduler_factory
+    assert factory is not None
+
+    def make(optimizer: torch.optim.Optimizer) -> Any:
+        horizon = {}
+        if plan.scheduler_total_steps:
+            ctx = holder["strategy"].ctx
+            steps = _run_length(plan.config, ctx.train_loader, ctx.world_size, per_rank=True) or 1
+            horizon = {name: max(1, steps) for name in plan.scheduler_total_steps}
+        scheduler = factory(optimizer, **horizon)
+        fresh["main"] = copy.deepcopy(scheduler.state_dict())
+        return scheduler
+
+    return make
+
+
+def _plan_resume(plan: Plan, built: Built, rank: int, world_size: int, fresh: Mapping[str, dict[str, Any]]) -> None:
+    """Find the checkpoint the run will resume from and compare its config with this one."""
+    from nvtrain.config import converter
+    from nvtrain.resuming import REFUSED, ResumeAdjuster, config_changes, in_effect
+
+    loaded = plan.loaded
+    now = _plain(converter().unstructure(plan.config))
+    built.effective_config = now
+    hooks = [h for h in plan.hooks if callable(getattr(h, "resume_checkpoint", None))]
+    for hook in hooks:
+        hook.run_config = now  # type: ignore[attr-defined]  # stored in each manifest
+    if not hooks:
+        return
+    hook = hooks[0]
+    index = plan.hooks.index(hook)
+    try:
+        path = hook.resume_checkpoint(rank, world_size)
+        manifest = hook.read_manifest(path) if path is not None else None
+    except ResumeError as err:
+        raise loaded.error(f"cannot resume: {err}", ("hooks", index)) from None
+    if path is None or manifest is None:
+        return
+    step = int(manifest.get("step", 0))
+    built.resume_from, built.resume_step = Path(path), step
+    saved = manifest.get("run_config")
+    if not isinstance(saved, dict):
+        saved = _saved_config_file(plan.run_dir)
+    if saved is None:
+        return
+    changes = config_changes(saved, now, derives_horizon=bool(plan.scheduler_total_steps))
+    refused = [c for c in changes if c.effect == REFUSED]
+    if refused:
+        raise loaded.error(
+            f"cannot resume from {path} with this config: "
+            + "; ".join(c.describe() for c in refused)
+            + ". Start a fresh run (another name, or the checkpoint hook's resume: never)",
+            tuple(refused[0].key.replace("[", ".").replace("]", "").split(".")),
+        )
+    built.changes = changes
+    built.effective_config = in_effect(saved, now, changes)
+    adjust = [c for c in changes if c.effect != REFUSED]
+    if adjust:
+        built.strategy.register_hook(ResumeAdjuster(adjust, fresh, step))
+
+
+def _plain(data: Any) -> Any:
+    """JSON-compatible data (tuples to lists, other objects to str): what a manifest can hold."""
+    import json
+
+    return json.loads(json.dumps(data, default=str))
+
+
+def _saved_config_file(run_dir: Path) -> dict[str, Any] | None:
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    return _plain(data) if isinstance(data, dict) else None
+
+
+class _RunWatch:
+    """The app's own observer: notes where the run starts and where its last step was, writes
+    ``config.yaml`` once a resume has been applied, and reports a non-finite loss at once."""
+
+    plugin_name = "nvtrain.app.watch"
+
+    def __init__(self, plan: Plan, rank: int) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.every = plan.config.logging.log_every_n_steps
+        self.start_step: int | None = None
+        #: 0-based epoch of the latest optimizer step (the summary shows it 1-based).
+        self.last_step_epoch: int | None = None
+        self.effective_config: dict[str, Any] = {}
+        self._reported_train = False
+
+    @hookimpl
+    def before_epoch(self, ctx: Any) -> None:
+        if self.start_step is None:
+            self.start_step = ctx.step_count  # a resume has been applied by now
+            if self.rank == 0:
+                self.plan.run_dir.mkdir(parents=True, exist_ok=True)
+                _write_atomically(self.plan.run_dir / "config.yaml", _dump(self.effective_config))
+
+    @hookimpl
+    def after_batch(self, ctx: Any) -> None:
+        if not ctx.sync_gradients or ctx.step_skipped:
+            return
+        self.last_step_epoch = ctx.epoch
+        if self.rank != 0 or ctx.step_count % self.every or self._reported_train:
+            return
+        loss = ctx.loss
+        if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss.detach()).all()):  # a logging step
+            self._reported_train = True  # once: the divergence check or the user takes it from here
+            logger.warning(
+                "training loss is %s at step %d (epoch %d): the run is diverging (lower the learning rate or "
+                "check the data); checkpoints from now on are marked unhealthy",
+                float(loss.detach().float().mean()), ctx.step_count, ctx.epoch + 1,
+            )
+
+    @hookimpl
+    def after_validation(self, ctx: Any) -> None:
+        if self.rank != 0:
+            return
+        loss = (ctx.validation or {}).get("loss")
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not math.isfinite(float(loss)):
+            logger.warning("validation loss is %s at step %d: the weights are no longer finite", float(loss), ctx.step_count)
+
+
+def _dump(data: Mapping[str, Any]) -> str:
+    import yaml
+
+    return str(yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False))
+
+
 # -- running --------------------------------------------------------------------------------------------
 
 
 def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
-    """Run a prepared plan: write the resolved config, train, plot; return the exit status.
+    """Build everything, then (only then) write the run directory, train, plot; return the exit status.
 
     Under torchrun (``WORLD_SIZE > 1``) the process group is set up here and torn
-    down at the end; only rank 0 writes the config, the metrics and the plot.
+    down at the end; only rank 0 writes the config, the metrics and the plot, and
+    prints. Construction errors raise :class:`~nvtrain.config.ConfigError` before
+    anything is written; a diverged run raises
+    :class:`~nvtrain.errors.TrainingDivergedError`.
     """
     out = out if out is not None else sys.stdout
     config = plan.config
@@ -367,137 +749,69 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
     rank = manager.rank if manager is not None else 0
     started = time.perf_counter()
     try:
-        if rank == 0:
-            plan.run_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomically(plan.run_dir / "config.yaml", dump_config(config))
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         _seed_everything(config.seed + rank)
-        strategy, train_loader, start = _build(plan, manager)
-        with strategy:
-            result = strategy.run(train_loader)
-        seconds = time.perf_counter() - started
+        built = build(plan, manager)
+        if built.resume_from is not None and built.run_length is not None and built.resume_step >= built.run_length:
+            if rank == 0:
+                print(
+                    f"run {plan.run_dir} | already at step {built.resume_step} ({built.resume_from}), nothing to "
+                    f"train (the run ends at step {built.run_length}: raise trainer.max_steps or num_epochs)",
+                    file=out,
+                    flush=True,
+                )
+            built.strategy.close()
+            return TrainOutcome(exit_code=EXIT_OK, run_dir=plan.run_dir, result=None, seconds=0.0)
         if rank == 0:
-            _finish(plan, result, seconds, out, start.step)
+            _announce(plan, built)
+        strategy = built.strategy
+        with strategy:
+            try:
+                result = strategy.run(built.train_loader)
+            except ResumeError as err:
+                raise plan.loaded.error(f"cannot resume: {_with_model_changes(str(err), built)}", ("hooks",)) from None
+        seconds = time.perf_counter() - started
+        code = EXIT_OK
+        saved = None
+        if result.preempted:
+            saved = _saved_checkpoint(plan.hooks)
+            code = EXIT_PREEMPTED if saved is not None else EXIT_PREEMPTED_UNSAVED
+        if rank == 0:
+            _finish(plan, result, seconds, out, built.watch, saved)
     finally:
         if manager is not None:
             from nvtrain.distributed import DistributedManager
 
             DistributedManager.cleanup()
-    code = EXIT_PREEMPTED if result.preempted else EXIT_OK
     return TrainOutcome(exit_code=code, run_dir=plan.run_dir, result=result, seconds=seconds)
 
 
-def _build(plan: Plan, manager: Any) -> tuple[Any, Any, _RunStart]:
-    from nvtrain.strategy import TrainingStrategy
-    from nvtrain.validation import ValidationConfig
-
-    config = plan.config
-    model = plan.model_factory(**config.model.kwargs)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model.factory {config.model.factory} returned {type(model).__name__}, not a torch.nn.Module")
-    train_loader, val_loader = _split_loaders(plan.data_factory(**config.data.kwargs), config.data.factory)
-    validation = None
-    section = config.validation
-    if val_loader is not None and (section.every_n_epochs is not None or section.every_n_steps is not None):
-        validation = ValidationConfig(
-            data=val_loader,
-            every_n_steps=section.every_n_steps,
-            every_n_epochs=section.every_n_epochs,
-            use_mixed_precision=section.use_mixed_precision,
-            use_ema=plan.use_ema,
-            metrics=plan.metrics,
+def _announce(plan: Plan, built: Built) -> None:
+    """Rank 0's messages before the first step: a preemption that would save nothing, resume changes."""
+    signals = plan.config.trainer.preemption_signal
+    if signals and not any(hasattr(h, "last_saved") for h in plan.hooks):
+        names = ", ".join(str(s) for s in (signals if isinstance(signals, tuple) else (signals,)))
+        logger.warning(
+            "a preemption signal (%s) will stop the run but nothing will be saved: add the checkpoint hook "
+            "(hooks: [checkpoint]) to resume after one",
+            names,
         )
-    holder: dict[str, Any] = {}
-    schedulers = None
-    if plan.scheduler_factory is not None:
-        schedulers = _scheduler_factory(plan, holder)
-    strategy = TrainingStrategy(
-        models=model,
-        optimizers=plan.optimizer_factory,
-        loss_fn=plan.loss_fn,
-        lr_schedulers=schedulers,
-        forward_fn=plan.forward_fn,
-        hooks=plan.hooks,  # type: ignore[arg-type]  # mypy misreads the field's converter=tuple
-        device=None if config.device == "auto" else config.device,
-        validation=validation,
-        step_scheduler=config.trainer,
-        distributed_manager=manager,
-    )
-    holder["strategy"] = strategy
-    start = _RunStart()
-    strategy.register_hook(start)
-    return strategy, train_loader, start
+    if built.resume_from is not None and built.changes:
+        logger.info("resuming from %s with a changed config:", built.resume_from)
+        for change in built.changes:
+            logger.info("  %s", change.describe())
 
 
-class _RunStart:
-    """Notes the step a run starts from (after a resume has been applied), for the summary line."""
-
-    plugin_name = "nvtrain.app.run_start"
-
-    def __init__(self) -> None:
-        self.step: int | None = None
-
-    @hookimpl
-    def before_epoch(self, ctx: Any) -> None:
-        if self.step is None:
-            self.step = ctx.step_count
+def _with_model_changes(message: str, built: Built) -> str:
+    model = [c.describe() for c in built.changes if c.key.startswith("model.")]
+    return message + (f" (model config changed since the checkpoint: {'; '.join(model)})" if model else "")
 
 
-def _split_loaders(result: Any, spec: str) -> tuple[Any, Any]:
-    """Accept ``(train, val)``, ``{"train": ..., "validation": ...}`` or a lone train loader."""
-    if isinstance(result, Mapping):
-        unknown = set(result) - {"train", "validation", "val"}
-        if "train" not in result or unknown:
-            raise TypeError(
-                f"data.factory {spec} returned a mapping with keys {sorted(result)}; expected 'train' and "
-                "optionally 'validation'"
-            )
-        return result["train"], result.get("validation", result.get("val"))
-    if isinstance(result, (tuple, list)):
-        if len(result) != 2:
-            raise TypeError(f"data.factory {spec} returned {len(result)} items; expected (train, validation)")
-        return result[0], result[1]
-    return result, None
-
-
-def _scheduler_factory(plan: Plan, holder: dict[str, Any]) -> Callable[[torch.optim.Optimizer], Any]:
-    """Build the LR scheduler when the strategy asks (after SETUP), filling in the run's step count."""
-    factory = plan.scheduler_factory
-    assert factory is not None
-
-    def build(optimizer: torch.optim.Optimizer) -> Any:
-        extra = {}
-        if plan.scheduler_total_steps:
-            steps = _total_steps(holder["strategy"], plan.config)
-            extra = {name: steps for name in plan.scheduler_total_steps}
-        return factory(optimizer, **extra)
-
-    return build
-
-
-def _total_steps(strategy: Any, config: RunConfig) -> int:
-    """Optimizer steps of the whole run, from the (possibly re-sampled) loader the strategy holds."""
-    trainer = config.trainer
-    loader = strategy.ctx.train_loader
-    try:
-        batches = len(loader)
-    except TypeError:
-        batches = None
-    world = strategy.ctx.world_size
-    local = getattr(loader, "batch_size", None) or 1
-    accumulation = max(1, trainer.global_batch_size // (local * world)) if trainer.global_batch_size else 1
-    epoch_len = math.ceil(batches / accumulation) if batches else None
-    num_epochs = trainer.num_epochs if trainer.num_epochs is not None or trainer.max_steps is not None else 1
-    candidates = [trainer.max_steps] if trainer.max_steps is not None else []
-    if num_epochs is not None and epoch_len is not None:
-        candidates.append(num_epochs * epoch_len)
-    if not candidates:
-        raise ValueError(
-            "lr_scheduler: the run's step count is unknown (the loader has no len()); set trainer.max_steps "
-            "or give the scheduler's T_max / total_steps in lr_scheduler.kwargs"
-        )
-    return max(1, min(candidates))
+def _saved_checkpoint(hooks: Sequence[object]) -> tuple[int, Path] | None:
+    """The newest checkpoint a checkpoint hook reports complete on disk (its ``last_saved``), or None."""
+    found = [saved for h in hooks if (saved := getattr(h, "last_saved", None)) is not None]
+    return max(found, key=lambda item: item[0]) if found else None
 
 
 def _seed_everything(seed: int) -> None:
@@ -510,7 +824,9 @@ def _seed_everything(seed: int) -> None:
     numpy.random.seed(seed % 2**32)
 
 
-def _finish(plan: Plan, result: Any, seconds: float, out: TextIO, start_step: int | None) -> None:
+def _finish(
+    plan: Plan, result: Any, seconds: float, out: TextIO, watch: _RunWatch, saved: tuple[int, Path] | None
+) -> None:
     config = plan.config
     metrics_file = plan.run_dir / "metrics.csv"
     if config.logging.plot and config.logging.csv and metrics_file.exists():
@@ -518,14 +834,31 @@ def _finish(plan: Plan, result: Any, seconds: float, out: TextIO, start_step: in
 
         if read_metrics(metrics_file):
             plot_metrics(metrics_file, plan.run_dir / PLOT_NAME, title=config.name)
-    summary = [f"run {plan.run_dir}", f"step {result.step_count}", f"epoch {result.epoch}", f"{seconds:.1f} s"]
-    if start_step:
-        summary.insert(2, f"resumed at step {start_step}")
+    epoch = watch.last_step_epoch if watch.last_step_epoch is not None else result.epoch
+    total = config.trainer.num_epochs
+    summary = [
+        f"run {plan.run_dir}",
+        f"step {result.step_count}",
+        f"epoch {epoch + 1}" + (f"/{total}" if total else ""),
+        f"{seconds:.1f} s",
+    ]
+    if watch.start_step:
+        summary.insert(2, f"resumed at step {watch.start_step}")
+    prefix = "val_ema_" if plan.use_ema else "val_"
     for key, value in (result.validation or {}).items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:
-            summary.append(f"val_{key} {value.item():.4f}")
+            summary.append(f"{prefix}{key} {value.item():.4f}")
     if result.preempted:
-        summary.append(f"preempted: checkpoint saved, rerun to resume (exit status {EXIT_PREEMPTED})")
+        if saved is not None:
+            summary.append(
+                f"preempted: checkpoint saved at step {saved[0]} ({saved[1]}), rerun to resume "
+                f"(exit status {EXIT_PREEMPTED})"
+            )
+        else:
+            summary.append(
+                f"preempted: nothing was saved (no checkpoint hook), a rerun starts from step 0 "
+                f"(exit status {EXIT_PREEMPTED_UNSAVED})"
+            )
     print(" | ".join(summary), file=out, flush=True)
 
 

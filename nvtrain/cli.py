@@ -60,7 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    return int(args._run(args))
+    try:
+        return int(args._run(args))
+    except KeyboardInterrupt:  # a second Ctrl-C during training, or one outside a run
+        print(f"\nnvtrain {args.command}: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def _command_module(name: str, module_name: str) -> ModuleType:

@@ -225,8 +225,11 @@ TRAINER_HELP: dict[str, str] = {
     "gc_every_steps": "Run `gc.collect()` every N steps (null: never).",
     "start_step": "Step to start counting from (a resumed checkpoint overrides it).",
     "start_epoch": "Epoch to start from (a resumed checkpoint overrides it).",
-    "preemption_signal": "Signal name(s) or number(s) that stop the run after a checkpoint, exit status 75 "
+    "preemption_signal": "Signal name(s) or number(s) that stop the run at the next step boundary, after a "
+    "checkpoint when a checkpoint hook is configured (exit status 75; 76 without one). Ctrl-C twice aborts at once "
     "(null: none).",
+    "max_consecutive_skipped_steps": "Stop the run as diverged (exit status 3) after this many optimizer steps "
+    "in a row were skipped by a veto or a GradScaler overflow (null: never).",
 }
 
 
@@ -753,9 +756,13 @@ def _structure(data: dict[str, Any], loaded: LoadedConfig) -> RunConfig:
         return structure(data, RunConfig)  # type: ignore[no-any-return]
     except BaseValidationError as err:  # cattrs' per-field errors, turned into one located ConfigError
         problems = list(_problems(err, ()))
+        # A misspelt key with a suggestion first: it often explains the others ("missing max_steps").
+        problems.sort(key=lambda problem: "did you mean" not in problem[1])
         path, message = problems[0]
-        more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
-        raise loaded.error(message + more, path) from None
+        if len(problems) > 1:
+            others = "; ".join(f"{loaded.locate(p)}: {format_path(p) + ': ' if p else ''}{m}" for p, m in problems[1:])
+            message += f" (and {len(problems) - 1} more: {others})"
+        raise loaded.error(message, path) from None
 
 
 def _problems(err: BaseException, path: ConfigPath) -> Iterator[tuple[ConfigPath, str]]:

@@ -15,7 +15,9 @@ so every rank stops at the same step even when only one of them got the signal.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import threading
 import warnings
@@ -151,8 +153,16 @@ class PreemptionWatcher:
         self.restore()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.received_signal is not None:
+            # A second Ctrl-C: the user will not wait for the step to end. Abort as Python would.
+            self.restore()
+            raise KeyboardInterrupt
         if self.received_signal is None:
             self.received_signal = signum
+            if signum == signal.SIGINT and _is_rank_zero():
+                # os.write, not logging or print: both take locks a signal handler may interrupt.
+                with contextlib.suppress(OSError):
+                    os.write(2, b"\nCtrl-C: stopping after this step (press Ctrl-C again to abort now)\n")
 
     # -- the answer -----------------------------------------------------------------------
 
@@ -181,12 +191,19 @@ class PreemptionWatcher:
             agreed = bool(flag.item())  # the one host sync of a step boundary, documented in step-scheduler.md
         else:
             agreed = local
-        if agreed:
+        if agreed and _is_rank_zero():
             received = self.received_signal
             source = signal.Signals(received).name if received is not None else "another rank"
-            logger.warning("preemption signal received (%s): stopping after a checkpoint", source)
+            logger.warning("preemption signal received (%s): stopping at this step", source)
         self.preempted = agreed
         return agreed
+
+
+def _is_rank_zero() -> bool:
+    """Per-run messages come from rank 0 only (the torchrun environment tells before the group exists)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 def collective_device(group: Any) -> torch.device:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, final
 import torch
 
 from nvtrain.distributed import unwrap_model
+from nvtrain.errors import ResumeError
 from nvtrain.hook import CheckpointableHook, hook_label
 from nvtrain.hookspecs import PROJECT_NAME, hookimpl
 from nvtrain.stages import TrainingStage
@@ -139,6 +140,7 @@ def capture_state(strategy: TrainingStrategy) -> dict[str, Any]:
         "format": STATE_FORMAT,
         "models": {name: unwrap_model(model).state_dict() for name, model in ctx.models.items()},
         "optimizers": {name: optimizer.state_dict() for name, optimizer in ctx.optimizers.items()},
+        "optimizer_classes": {name: _class_path(optimizer) for name, optimizer in ctx.optimizers.items()},
         "lr_schedulers": {name: _scheduler_state(name, sched) for name, sched in ctx.lr_schedulers.items()},
         "counters": {name: int(getattr(ctx, name)) for name in COUNTERS},
         "scheduler": scheduler_state,
@@ -172,9 +174,35 @@ def check_state(state: Any, source: str = "state") -> None:
         raise ValueError(f"{source}: training state lacks the section(s) {missing}")
 
 
+def _class_path(obj: object) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _check_optimizer_classes(saved: Any, live: Mapping[str, torch.optim.Optimizer]) -> None:
+    """Another optimizer class would take the saved param groups and fail at its first step (a raw KeyError)."""
+    if not isinstance(saved, Mapping):
+        return  # a state written before classes were recorded
+    for name, optimizer in live.items():
+        was, now = saved.get(name), _class_path(optimizer)
+        if isinstance(was, str) and was != now:
+            raise ResumeError(
+                f"the checkpoint's optimizer {name!r} is {was} but this run builds {now}; an optimizer's state "
+                "cannot move to another class: resume with the same optimizer, or start a fresh run"
+            )
+
+
+def _first_line(err: BaseException) -> str:
+    """torch's load_state_dict errors span lines (one per tensor); the first mismatch says enough."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if len(lines) <= 2:
+        return " ".join(lines)
+    return f"{lines[0]} {lines[1]} (and {len(lines) - 2} more)"
+
+
 def _check_names(kind: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> None:
     if set(saved) != set(live):
-        raise ValueError(
+        raise ResumeError(
             f"the checkpoint's {kind} are {sorted(saved)} but this strategy has {sorted(live)}; "
             "build the strategy with the same names as the one that saved it"
         )
@@ -234,12 +262,15 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
         try:
             unwrap_model(model).load_state_dict(state["models"][name])
         except RuntimeError as err:
-            raise ValueError(f"the checkpoint's weights for model {name!r} do not fit this model: {err}") from None
+            raise ResumeError(
+                f"the checkpoint's weights for model {name!r} do not fit this model: {_first_line(err)}"
+            ) from None
+    _check_optimizer_classes(state.get("optimizer_classes"), ctx.optimizers)
     for name, optimizer in ctx.optimizers.items():
         try:
             optimizer.load_state_dict(state["optimizers"][name])
         except (ValueError, KeyError, RuntimeError) as err:
-            raise ValueError(f"the checkpoint's state for optimizer {name!r} does not fit it: {err}") from None
+            raise ResumeError(f"the checkpoint's state for optimizer {name!r} does not fit it: {err}") from None
     for name, sched in ctx.lr_schedulers.items():
         saved = state["lr_schedulers"][name]
         if isinstance(sched, (list, tuple)):

@@ -172,6 +172,7 @@ class StepScheduler:
         preemption_signal: SignalLike | Sequence[SignalLike] | None = signal.SIGTERM,
         process_group: Any = None,
         synchronized_stream: bool = False,
+        max_consecutive_skipped_steps: int | None = None,
     ) -> None:
         owner = "StepScheduler"
         for name, value in (
@@ -197,6 +198,11 @@ class StepScheduler:
         _check_int(owner, "loss_average_window_steps", loss_average_window_steps, 1)
         _check_int(owner, "start_step", start_step, 0)
         _check_int(owner, "start_epoch", start_epoch, 0)
+        _check_int(owner, "max_consecutive_skipped_steps", max_consecutive_skipped_steps, 1, optional=True)
+        #: Stop with TrainingDivergedError after this many skipped steps in a row (None: never).
+        self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
+        #: Optimizer steps skipped in a row up to the latest boundary (vetoes, GradScaler overflows).
+        self.consecutive_skipped_steps = 0
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
         self.dp_size = dp_size
@@ -298,6 +304,7 @@ class StepScheduler:
         watcher = self._watcher
         try:
             while not watcher.preempted and not self._training_done():
+                self._check_divergence()
                 if self._replay is not None:
                     window, is_last = self._replay
                     self._replay = None
@@ -342,6 +349,7 @@ class StepScheduler:
         self._open = False
         if stepped:
             self.step += 1
+        self._count_skips(stepped)
         self._position = self._pulled
         self._epoch_done = self._window_is_last
         if self._window_is_last and self.synchronized_stream:
@@ -353,6 +361,32 @@ class StepScheduler:
         )
         self._boundary = _BOUNDARIES[stepped, self._window_is_last, bool(last)]
         return self._watcher.preempted
+
+    def _count_skips(self, stepped: bool) -> None:
+        self.consecutive_skipped_steps = 0 if stepped else self.consecutive_skipped_steps + 1
+
+    def _check_divergence(self) -> None:
+        """Before the next window: stop a run whose optimizer has not stepped for too long.
+
+        Checked after the previous window's stages all ran, so hooks (a GradScaler
+        update, loggers) saw the last skipped step. Every rank skips the same steps
+        (vetoes and overflow checks are rank-consistent), so every rank stops here.
+        """
+        limit = self.max_consecutive_skipped_steps
+        skipped = self.consecutive_skipped_steps
+        if limit is None or skipped < limit:
+            return
+        from nvtrain.errors import TrainingDivergedError
+
+        raise TrainingDivergedError(
+            f"training diverged: {skipped} optimizer steps in a row were skipped (none since step {self.step}, "
+            f"epoch {self.epoch + 1}); the loss or the gradients are no longer finite (a spike-skip veto or a "
+            "GradScaler overflow skips every step). Lower the learning rate, check the data and the loss, or "
+            "raise max_consecutive_skipped_steps (null disables the check)",
+            skipped=skipped,
+            step=self.step,
+            epoch=self.epoch,
+        )
 
     def poll_preemption(self) -> bool:
         """Poll preemption outside a step boundary (after validation, at an epoch end); one collective.
@@ -697,9 +731,12 @@ class StepSchedulerConfig:
     start_step: int = attrs.field(default=0, validator=int_at_least(0))
     start_epoch: int = attrs.field(default=0, validator=int_at_least(0))
     #: Signal(s) that trigger a preemption checkpoint: a name ("SIGTERM"), a number, or a list; None disables.
+    #: SIGINT (Ctrl-C) stops at the next step boundary like SIGTERM; a second Ctrl-C aborts at once.
     preemption_signal: int | str | tuple[int | str, ...] | None = attrs.field(
-        default="SIGTERM", converter=_as_signal_spec, validator=_check_signal
+        default=("SIGTERM", "SIGINT"), converter=_as_signal_spec, validator=_check_signal
     )
+    #: Stop the run (TrainingDivergedError) after this many optimizer steps in a row were skipped; None: never.
+    max_consecutive_skipped_steps: int | None = attrs.field(default=100, validator=optional_int_at_least(1))
 
     def build(
         self,

@@ -28,11 +28,21 @@ def run(args: argparse.Namespace) -> int:
     from nvtrain.plotting import PLOT_NAME, plot_metrics
 
     target = Path(args.run_dir)
+    if target.is_file() and target.suffix != ".csv":
+        print(
+            f"nvtrain plot: error: {target} is a file, not a run directory or a metrics CSV "
+            "(e.g. nvtrain plot runs/digits)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if not target.exists():
+        print(f"nvtrain plot: error: {target} does not exist (give a run directory, e.g. runs/digits)", file=sys.stderr)
+        return EXIT_USAGE
     csv_path = target if target.suffix == ".csv" else target / "metrics.csv"
     output = Path(args.output) if args.output else csv_path.with_name(PLOT_NAME)
     try:
         written = plot_metrics(csv_path, output)
-    except (FileNotFoundError, ValueError, ImportError) as err:
+    except (OSError, ValueError, ImportError) as err:
         print(f"nvtrain plot: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     print(written)

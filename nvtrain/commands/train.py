@@ -5,9 +5,13 @@ scikit-learn's handwritten digits: no download).
     nvtrain train my.yaml --set trainer.max_steps=200
     nvtrain train --print-config > my.yaml         # start your own from the built-in one
 
-Exit status: 0 done; 1 training failed; 2 bad config or arguments (one line on
-stderr, nothing written); 75 stopped by a preemption signal after a checkpoint
-(run the same command again to resume).
+Exit status: 0 done (also: already at the requested step, nothing to train);
+1 training failed (traceback; one line for a full disk); 2 bad config, arguments
+or checkpoint to resume from (one line on stderr, nothing written); 3 diverged
+(trainer.max_consecutive_skipped_steps skipped steps in a row); 75 stopped by a
+preemption signal after a checkpoint (run the same command again to resume);
+76 stopped by a preemption signal with nothing saved (no checkpoint hook);
+130 aborted by a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -72,8 +76,9 @@ def show_logs() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nvtrain.app import EXIT_USAGE, prepare, train
+    from nvtrain.app import EXIT_DIVERGED, EXIT_FAILURE, EXIT_USAGE, prepare, train
     from nvtrain.config import ConfigError, dump_config, load_config
+    from nvtrain.errors import TrainingDivergedError
 
     try:
         loaded = load_config(args.config, args.overrides)
@@ -82,7 +87,38 @@ def run(args: argparse.Namespace) -> int:
             return 0
         plan = prepare(loaded)
     except (ConfigError, ImportError) as err:
-        print(f"nvtrain train: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return error(str(err), EXIT_USAGE)
     show_logs()
-    return train(plan).exit_code
+    try:
+        return train(plan).exit_code
+    except ConfigError as err:  # found while building: nothing was trained or written
+        return error(str(err), EXIT_USAGE)
+    except TrainingDivergedError as err:
+        return error(str(err), EXIT_DIVERGED)
+    except OSError as err:
+        full = disk_full(err)
+        if full is None:
+            raise
+        where = f" ({full.filename})" if full.filename else ""
+        return error(f"no space left on device{where}: {full.strerror or err}", EXIT_FAILURE)
+
+
+def error(message: str, code: int) -> int:
+    """Print ``nvtrain train: error: <message>`` (one line) on stderr and return ``code``."""
+    print(f"nvtrain train: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return code
+
+
+def disk_full(err: BaseException) -> OSError | None:
+    """The out-of-space OSError (ENOSPC, EDQUOT) in ``err`` or its cause / context chain."""
+    import errno
+
+    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in codes:
+            return current
+        current = current.__cause__ or current.__context__
+    return None

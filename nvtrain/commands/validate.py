@@ -1,6 +1,9 @@
-"""Check a config and the hooks it names without training: the YAML structure, every
-import path, keyword arguments against the factories' signatures, hook names and
-settings (each hook is built, which runs its validators). Nothing is written.
+"""Check a config by building everything ``nvtrain train`` builds, without training a step:
+the YAML structure, every import path, the model, the data loaders, the optimizer
+and LR scheduler (their own argument checks run), every hook and their composition
+into the training strategy, and the checkpoint a resume would start from (with the
+config changes since it). Nothing is written: when ``validate`` says valid, ``train``
+starts.
 
     nvtrain validate my.yaml --set trainer.max_steps=200
 
@@ -24,14 +27,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nvtrain.app import EXIT_OK, EXIT_USAGE, prepare
+    from nvtrain.app import EXIT_OK, EXIT_USAGE, build, prepare
+    from nvtrain.commands.train import show_logs
     from nvtrain.config import ConfigError, load_config
 
+    show_logs()  # a resume's warnings (a corrupt checkpoint passed over) are part of the answer
     try:
-        plan = prepare(load_config(args.config, args.overrides))
+        plan = prepare(load_config(args.config, args.overrides), world_size=1)
+        built = build(plan)
     except (ConfigError, ImportError) as err:
-        print(f"nvtrain validate: error: {err}", file=sys.stderr)
+        print(f"nvtrain validate: error: {' '.join(str(err).split())}", file=sys.stderr)
         return EXIT_USAGE
+    built.strategy.close()
     names = ", ".join(type(hook).__name__ for hook in plan.hooks) or "none"
     print(f"{plan.loaded.source}: valid (run directory {plan.run_dir}; hooks: {names})")
+    if built.resume_from is not None:
+        print(f"resumes from {built.resume_from} (step {built.resume_step})")
+        for change in built.changes:
+            print(f"  {change.describe()}")
     return EXIT_OK

@@ -20,6 +20,7 @@ from nvtrain_checkpoint.storage import (
     read_checkpoint,
     read_manifest,
     save_checkpoint,
+    verify_checkpoint,
 )
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "read_manifest",
     "save_checkpoint",
     "snapshot",
+    "verify_checkpoint",
 ]
 
 #: The hook classes this plugin provides; the first is what ``nvtrain.plugins.load("checkpoint")`` builds.

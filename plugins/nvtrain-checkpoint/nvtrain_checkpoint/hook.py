@@ -79,17 +79,38 @@ class CheckpointHook:
     resume: str | Path = attrs.field(default=NEVER, converter=_as_resume)
     priority: int = attrs.field(default=DEFAULT_PRIORITY, validator=strict_int)
 
+    #: The resolved run config (plain data) stored in each manifest, so a resume can say what changed.
+    #: ``nvtrain train`` sets it; None leaves it out.
+    run_config: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
+
     _writer: BackgroundWriter = attrs.field(init=False, factory=BackgroundWriter, repr=False)
     _saved_step: int | None = attrs.field(init=False, default=None, repr=False)
     _plugins: dict[str, dict[str, str]] | None = attrs.field(init=False, default=None, repr=False)
     #: async_save: the snapshot last handed to the writer; the next one copies into its buffers.
     _reusable: Any = attrs.field(init=False, default=None, repr=False)
+    _last_saved: tuple[int, Path] | None = attrs.field(init=False, default=None, repr=False)
+    _root: Path | None = attrs.field(init=False, default=None, repr=False)
+    #: The resume decision, made once (``resume_checkpoint``) so its warnings print once.
+    _resume_choice: tuple[Any, Path | None] | None = attrs.field(init=False, default=None, repr=False)
+
+    @property
+    def last_saved(self) -> tuple[int, Path] | None:
+        """``(step, directory)`` of the newest checkpoint this hook knows is complete on disk: one it
+        wrote (async: once the write finished) or the one the run resumed from. None when there is none.
+
+        Under ``rank_zero_only`` the other ranks learn it at the barrier after rank 0's write.
+        """
+        return self._last_saved
 
     # -- reading ---------------------------------------------------------------------------
 
     def read_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Read and verify the state at ``path`` (a ``step_<N>`` directory or a checkpoint root)."""
         return storage.read_checkpoint(path)
+
+    def read_manifest(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The manifest of the checkpoint at ``path``: step, epoch, versions, ``healthy``, ``run_config``."""
+        return storage.read_manifest(storage.resolve_checkpoint(path))
 
     def checkpoint_root(self, ctx: nvtrain.TrainingContext) -> Path:
         """Where this rank's checkpoints go: ``checkpoint_dir``, or ``checkpoint_dir/rank_<r>``
@@ -100,10 +121,11 @@ class CheckpointHook:
 
     # -- stages ----------------------------------------------------------------------------
 
-    @nvtrain.hookimpl(tryfirst=True)
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_FIRST)
     def before_training(self, ctx: nvtrain.TrainingContext) -> None:
         """Resume (first, so every other hook starts from the restored state)."""
         self._plugins = _active_plugins(strategy_hooks(ctx.strategy))  # type: ignore[arg-type]
+        self._root = self.checkpoint_root(ctx)
         self._saved_step = ctx.step_count if ctx.step_count else None
         if ctx.step_count != 0:
             return  # restored already (load_checkpoint) or a second run(): the in-memory state is current
@@ -113,9 +135,11 @@ class CheckpointHook:
             load_state(ctx.strategy, state, source=f"checkpoint {str(path)!r}")  # type: ignore[arg-type]
             self._saved_step = ctx.step_count
             self.last_checkpoint_index = ctx.step_count
-            logger.info("resumed from %s at step %d (epoch %d)", path, ctx.step_count, ctx.epoch)
+            self._last_saved = (ctx.step_count, Path(path))
+            if ctx.rank == 0:  # a per-run message: once, not once per rank
+                logger.info("resumed from %s at step %d (epoch %d)", path, ctx.step_count, ctx.epoch + 1)
 
-    @nvtrain.hookimpl(trylast=True)
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
     def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
         """Save after the last micro-batch of a window, once every other hook has finished with it."""
         if not ctx.sync_gradients:
@@ -133,13 +157,13 @@ class CheckpointHook:
         if due:
             self._save(ctx)
 
-    @nvtrain.hookimpl(trylast=True)
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
     def after_epoch(self, ctx: nvtrain.TrainingContext) -> None:
         """``epoch_interval``: save once the epoch's end-of-epoch work (validation, AFTER_EPOCH hooks) is done."""
         if self.epoch_interval is not None and (ctx.epoch + 1) % self.epoch_interval == 0:
             self._save(ctx)
 
-    @nvtrain.hookimpl(trylast=True)
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
     def after_training(self, ctx: nvtrain.TrainingContext) -> None:
         """Save unsaved progress (a preempted or finished run), then wait until it is on disk."""
         if ctx.step_count > 0:
@@ -148,6 +172,8 @@ class CheckpointHook:
             self._writer.wait()
         if self.rank_zero_only and _distributed(ctx):
             torch.distributed.barrier()
+            if not self._writes(ctx) and self._saved_step is not None:
+                self._mark_saved(self._saved_step, wrote=False)  # rank 0's write finished before the barrier
 
     def flush(self) -> None:
         """Wait until the write in flight (``async_save``) is on disk; its error, if any, is raised here."""
@@ -196,25 +222,58 @@ class CheckpointHook:
                 self._reusable = copied
             else:
                 job()
-                self.last_checkpoint_index = step
+                self._mark_saved(step)
         if self.rank_zero_only and _distributed(ctx) and not self.async_save:
             torch.distributed.barrier()  # nobody races ahead of a half-written checkpoint
+            if not writes:
+                self._mark_saved(step, wrote=False)
 
     def _written(self, step: int, path: Path) -> None:
-        self.last_checkpoint_index = step
+        self._mark_saved(step)
+
+    def _mark_saved(self, step: int, *, wrote: bool = True) -> None:
+        if wrote:
+            self.last_checkpoint_index = step
+        root = self._root if self._root is not None else self.checkpoint_dir
+        self._last_saved = (step, root / storage.checkpoint_name(step))
 
     def _metadata(self, ctx: nvtrain.TrainingContext) -> dict[str, Any]:
         if self._plugins is None:
             self._plugins = _active_plugins(strategy_hooks(ctx.strategy))  # type: ignore[arg-type]
         return {
             "epoch": ctx.epoch,
+            "healthy": _loss_is_finite(ctx),
             "global_step_count": ctx.global_step_count,
             "world_size": ctx.world_size,
             "nvtrain_version": nvtrain.__version__,
             "plugins": self._plugins,
+            **({"run_config": self.run_config} if self.run_config is not None else {}),
         }
 
     # -- resuming --------------------------------------------------------------------------
+
+    def resume_checkpoint(self, rank: int = 0, world_size: int = 1) -> Path | None:
+        """The checkpoint a run starting now resumes from, verified against its manifest; None for a fresh start.
+
+        ``resume="auto"`` takes the newest intact checkpoint: one that is incomplete
+        (no manifest) or corrupt (size or sha256 differ) is passed over with a warning
+        naming it and the one used instead; when checkpoints exist but none is intact,
+        :class:`~nvtrain_checkpoint.CheckpointError`. An explicit path must be intact
+        (CheckpointError naming the file otherwise). Decided once per hook: a second
+        call returns the first answer without reading the disk again.
+        """
+        if self._resume_choice is not None and self._resume_choice[0] == (self.resume, rank, world_size):
+            return self._resume_choice[1]
+        root = self.checkpoint_dir if self.rank_zero_only or world_size == 1 else self.checkpoint_dir / f"rank_{rank}"
+        if self.resume == NEVER:
+            chosen = None
+        elif self.resume != AUTO:
+            chosen = storage.resolve_checkpoint(self.resume, rank)
+            storage.verify_checkpoint(chosen)
+        else:
+            chosen = _newest_intact(root, warn=rank == 0)
+        self._resume_choice = ((self.resume, rank, world_size), chosen)
+        return chosen
 
     def _resume_path(self, ctx: nvtrain.TrainingContext) -> Path | None:
         if self.resume == NEVER:
@@ -225,13 +284,50 @@ class CheckpointHook:
                     stacklevel=2,
                 )
             return None
-        if self.resume != AUTO:
-            return Path(self.resume)
-        root = self.checkpoint_root(ctx)
-        found = storage.latest_checkpoint(root)
-        if not _distributed(ctx):
+        found = self.resume_checkpoint(ctx.rank, ctx.world_size)
+        if self.resume != AUTO or not _distributed(ctx):
             return found
-        return _agree(ctx, root, found, shared=self.rank_zero_only)
+        return _agree(ctx, self.checkpoint_root(ctx), found, shared=self.rank_zero_only)
+
+
+def _loss_is_finite(ctx: nvtrain.TrainingContext) -> bool | None:
+    """Whether the saved step's loss was finite (one host read per checkpoint); None when no loss exists."""
+    loss = ctx.loss
+    if not isinstance(loss, torch.Tensor):
+        return None
+    return bool(torch.isfinite(loss.detach()).all())
+
+
+def _newest_intact(root: Path, *, warn: bool) -> Path | None:
+    """The newest checkpoint under ``root`` that passes verification; warn about newer ones that do not."""
+    complete = storage.list_checkpoints(root)
+    pointed = storage.latest_checkpoint(root)
+    order = [info.path for info in reversed(complete)]
+    if pointed is not None and pointed in order:  # the pointer wins over a higher step it does not name
+        order.remove(pointed)
+        order.insert(0, pointed)
+    skipped: list[str] = []
+    newest_step = complete[-1].step if complete else -1
+    for incomplete in storage.incomplete_checkpoints(root):
+        if incomplete.step > newest_step:
+            skipped.append(f"{incomplete.path} is incomplete (no {storage.MANIFEST_NAME})")
+    chosen = None
+    for path in order:
+        try:
+            storage.verify_checkpoint(path)
+        except storage.CheckpointError as err:
+            skipped.append(str(err))
+            continue
+        chosen = path
+        break
+    if chosen is None and order:
+        raise storage.CheckpointError(
+            f"no intact checkpoint in {root} to resume from: " + "; ".join(skipped)
+            + " (delete the broken ones, or set resume: never to start afresh)"
+        )
+    if skipped and chosen is not None and warn:
+        logger.warning("resume: passing over %s; resuming from %s instead", "; ".join(skipped), chosen)
+    return chosen
 
 
 def _distributed(ctx: nvtrain.TrainingContext) -> bool:

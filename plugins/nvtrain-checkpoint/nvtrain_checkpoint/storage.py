@@ -21,6 +21,7 @@ complete.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.metadata
 import json
@@ -38,6 +39,8 @@ from typing import IO, Any, cast
 import attrs
 import torch
 
+from nvtrain.errors import ResumeError
+
 __all__ = [
     "FORMAT_VERSION",
     "LATEST_NAME",
@@ -47,12 +50,14 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointVersionWarning",
     "checkpoint_name",
+    "incomplete_checkpoints",
     "latest_checkpoint",
     "list_checkpoints",
     "read_checkpoint",
     "read_manifest",
     "resolve_checkpoint",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
 
 #: Version of the directory layout and manifest; a reader refuses versions it does not know.
@@ -68,8 +73,12 @@ _CHUNK = 1 << 22
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, truncated, corrupt or not an nvtrain checkpoint."""
+class CheckpointError(ResumeError):
+    """A checkpoint is missing, incomplete, truncated, corrupt or not an nvtrain checkpoint.
+
+    A :class:`nvtrain.errors.ResumeError` (so a ``RuntimeError``): ``nvtrain train``
+    reports it in one line with exit status 2.
+    """
 
 
 class CheckpointVersionWarning(UserWarning):
@@ -111,19 +120,37 @@ def save_checkpoint(
     remove_leftovers(root)
     name = checkpoint_name(step)
     tmp = root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex}"
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         files = {STATE_NAME: write_state_file(tmp / STATE_NAME, state)}
         manifest = {"format_version": FORMAT_VERSION, "step": step, **metadata, "files": files}
         write_manifest(tmp / MANIFEST_NAME, manifest)
         fsync_dir(tmp)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # the original error is what matters; never leave a half-save
+        full = _disk_full(err)
+        if full is not None and full is not err:  # torch.save hides ENOSPC behind "[enforce fail at ...]"
+            raise OSError(full.errno, f"no space left on device writing checkpoint {root / name}", str(root)) from err
         raise
     final = publish(tmp, root / name)
     write_latest(root, name)
     apply_retention(root, keep_last_n)
     return final
+
+
+_DISK_FULL = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
+
+
+def _disk_full(err: BaseException) -> OSError | None:
+    """The out-of-space OSError in ``err``'s cause / context chain, if there is one."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_FULL:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
 
 
 class _DigestWriter:
@@ -216,18 +243,36 @@ def remove_checkpoint(path: Path) -> None:
 
 
 def apply_retention(root: Path, keep_last_n: int | None) -> list[Path]:
-    """Keep the ``keep_last_n`` complete checkpoints with the highest steps, and the one ``latest`` names."""
+    """Keep the ``keep_last_n`` complete checkpoints with the highest steps, the one ``latest`` names, and
+    the newest healthy one (its step's loss was finite) when none of those is healthy.
+
+    A run whose loss turned NaN keeps saving unhealthy checkpoints; without the last
+    rule they would rotate the last good one out.
+    """
     if keep_last_n is None:
         return []
     complete = list_checkpoints(root)
     pointed = _read_pointer(root)
     keep = {info.path.name for info in complete[-keep_last_n:]}
+    if not any(is_healthy(info.path) for info in complete[-keep_last_n:]):
+        healthy = [info for info in complete if is_healthy(info.path)]
+        if healthy:
+            keep.add(healthy[-1].path.name)
     removed = []
     for info in complete:
         if info.path.name not in keep and info.path.name != pointed:
             remove_checkpoint(info.path)
             removed.append(info.path)
     return removed
+
+
+def is_healthy(directory: Path) -> bool:
+    """The manifest's ``healthy`` mark: False only when the saved step's loss was known to be NaN/inf."""
+    try:
+        manifest = json.loads((directory / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return not (isinstance(manifest, dict) and manifest.get("healthy") is False)
 
 
 # -- finding ------------------------------------------------------------------------------------
@@ -244,6 +289,30 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
         if match and (entry / MANIFEST_NAME).is_file():
             found.append(CheckpointInfo(entry, int(match.group(1))))
     return sorted(found, key=lambda info: info.step)
+
+
+def incomplete_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """``step_<N>`` directories under ``root`` without a manifest (damaged: never written that way), by step."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir() and not (entry / MANIFEST_NAME).is_file():
+            found.append(CheckpointInfo(entry, int(match.group(1))))
+    return sorted(found, key=lambda info: info.step)
+
+
+def verify_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check a checkpoint directory's manifest and its state file's size and sha256; return the manifest.
+
+    :raises CheckpointError: naming the file that is missing, truncated or corrupt.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    verify_file(directory / STATE_NAME, manifest["files"][STATE_NAME])
+    return manifest
 
 
 def _read_pointer(root: Path) -> str | None:

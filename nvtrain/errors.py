@@ -1,0 +1,35 @@
+"""Exceptions that end a run for a reason the user can act on (the CLI prints them as one line).
+
+:class:`TrainingDivergedError`
+    Too many optimizer steps in a row were skipped (vetoes, GradScaler overflows):
+    the loss or the gradients have stopped being finite. ``nvtrain train`` exits
+    with status 3.
+:class:`ResumeError`
+    A run cannot continue from the checkpoint it was told to use (missing, corrupt,
+    or written for another model or optimizer). ``nvtrain train`` exits with status 2.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ResumeError", "TrainingDivergedError"]
+
+
+class TrainingDivergedError(RuntimeError):
+    """``max_consecutive_skipped_steps`` optimizer steps in a row were skipped; the run stopped.
+
+    ``skipped`` is that count, ``step`` the last completed optimizer step and
+    ``epoch`` the (0-based) epoch the run stopped in.
+    """
+
+    def __init__(self, message: str, *, skipped: int, step: int, epoch: int) -> None:
+        super().__init__(message)
+        self.skipped = skipped
+        self.step = step
+        self.epoch = epoch
+
+
+class ResumeError(RuntimeError, ValueError):
+    """A checkpoint cannot be resumed from: missing, incomplete, corrupt or incompatible with this run.
+
+    Also a ``ValueError``: code written before this class existed caught those.
+    """
