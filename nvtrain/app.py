@@ -376,7 +376,7 @@ def _logging_hooks(loaded: LoadedConfig) -> list[object]:
         raise loaded.error("plot needs the metrics file: set logging.csv to true or plot to false", ("logging", "plot"))
     if section.tensorboard is True or (section.tensorboard == "auto" and tensorboard_available()):
         try:
-            hooks.append(TensorBoardHook(run_dir / "tensorboard", log_every_n_steps=every))
+            hooks.append(TensorBoardHook(run_dir / "tensorboard"))  # the step scheduler's log_remote_every_steps
         except ImportError as err:
             raise loaded.error(str(err), ("logging", "tensorboard")) from None
     return hooks

@@ -220,9 +220,9 @@ TRAINER_HELP: dict[str, str] = {
     "save_checkpoint_every_epoch": "Also checkpoint at every epoch end.",
     "validate_on_checkpoint": "Also validate at every checkpoint step.",
     "val_every_steps": "Validate every N optimizer steps (null: see `validation`).",
-    "log_remote_every_steps": "Cadence a remote-logging hook may follow (`ctx.scheduler.is_remote_logging_step`).",
-    "loss_average_window_steps": "Window a loss-averaging hook may use.",
-    "gc_every_steps": "Run `gc.collect()` every N steps (null: never).",
+    "log_remote_every_steps": "Cadence of experiment loggers (TensorBoard; `ctx.scheduler.is_remote_logging_step`).",
+    "loss_average_window_steps": "Steps the smoothed loss (`train_loss_avg`, the progress bar's loss) covers.",
+    "gc_every_steps": "Run `gc.collect()` every N steps, with automatic gc off during the run (null: Python's own gc).",
     "start_step": "Step to start counting from (a resumed checkpoint overrides it).",
     "start_epoch": "Epoch to start from (a resumed checkpoint overrides it).",
     "preemption_signal": "Signal name(s) or number(s) that stop the run at the next step boundary, after a "

@@ -109,15 +109,22 @@ class TrainingUpdateHook:
       runs on DO_OPTIMIZER_STEP);
     - ``veto_discards``: whether its DO_OPTIMIZER_STEP veto abandons the step, so the
       next micro-batch starts from zeroed gradients (a spike skip), rather than
-      deferring it to accumulate more (default: False).
+      deferring it to accumulate more (default: False);
+    - ``rescales_gradients``: whether it changes the scale of the gradients at
+      DO_OPTIMIZER_STEP (an fp16 loss scaler's unscale), so every other hook that
+      uses them must run after it (default: False).
+
+    Any of them may be a property when the answer depends on the settings (the
+    mixed-precision hook uses gradients only under fp16).
     """
 
     priority: int = DEFAULT_PRIORITY
     stages: ClassVar[frozenset[TrainingStage]] = UPDATE_STAGES
     exclusive_key: ClassVar[str | None] = None
-    vetoes: ClassVar[frozenset[TrainingStage] | None] = None
-    uses_gradients: ClassVar[bool | None] = None
-    veto_discards: ClassVar[bool] = False
+    vetoes: frozenset[TrainingStage] | None = None
+    uses_gradients: bool | None = None
+    veto_discards: bool = False
+    rescales_gradients: bool = False
 
     def __call__(
         self, ctx: TrainingContext, stage: TrainingStage, will_skip: bool
@@ -164,7 +171,7 @@ def validate_update_hook(hook: object) -> None:
                 f"update hook {label}: 'vetoes' may name only veto stages it runs on ({allowed}); "
                 f"got {sorted(s.name for s in veto_set)}"
             )
-    for flag in ("uses_gradients", "veto_discards"):
+    for flag in ("uses_gradients", "veto_discards", "rescales_gradients"):
         value = getattr(hook, flag, None)
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"update hook {label}: {flag!r} must be a bool (got {value!r})")

@@ -15,6 +15,7 @@ They are ordinary plugins, usable from Python::
 
 from __future__ import annotations
 
+import collections
 import csv
 import logging
 import math
@@ -30,7 +31,7 @@ import attrs
 import torch
 
 from nvtrain.hookspecs import hookimpl
-from nvtrain.validators import float_in_range, int_at_least
+from nvtrain.validators import float_in_range, int_at_least, optional_int_at_least
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -45,6 +46,7 @@ CSV_COLUMNS: tuple[str, ...] = (
     "step",
     "epoch",
     "train_loss",
+    "train_loss_avg",
     "lr",
     "val_loss",
     "val_accuracy",
@@ -104,7 +106,14 @@ class StepLogReader:
     turns ``ctx.validation`` into ``val_*`` floats.
     """
 
-    every: int
+    #: Logging cadence in optimizer steps; None: the step scheduler's ``log_remote_every_steps``
+    #: (an experiment logger's cadence), 10 outside ``run()``.
+    every: int | None
+    #: Steps the smoothed loss (``train_loss_avg``) covers, counted in whole logging windows; the
+    #: step scheduler's ``loss_average_window_steps`` replaces it at the start of a run.
+    average_steps: int = 50
+    _every: int = attrs.field(init=False, default=10)
+    _recent: collections.deque[tuple[float, int]] = attrs.field(init=False, factory=collections.deque)
     _loss_sum: torch.Tensor | None = None
     _loss_batches: int = 0
     _samples: int = 0
@@ -112,8 +121,14 @@ class StepLogReader:
     _clock: float | None = None
     _last_logged: int = -1
 
-    def start(self) -> None:
-        """Begin a run: timing starts now."""
+    def start(self, ctx: TrainingContext | None = None) -> None:
+        """Begin a run: timing starts now; the cadences come from the run's step scheduler."""
+        scheduler = ctx.scheduler if ctx is not None else None
+        if scheduler is not None:
+            self.average_steps = scheduler.loss_average_window_steps
+        remote = getattr(scheduler, "log_remote_every_steps", None)
+        self._every = self.every if self.every is not None else remote if remote is not None else 10
+        self._recent.clear()
         self._clock = time.perf_counter()
         self._samples = self._steps = 0
 
@@ -130,7 +145,7 @@ class StepLogReader:
         step = ctx.step_count
         scheduler = ctx.scheduler if ctx.windowed and ctx.sync_gradients else None
         final = scheduler is not None and (scheduler.is_last_step or ctx.preempted)  # flush the last window
-        if (step % self.every and not final) or step == self._last_logged:
+        if (step % self._every and not final) or step == self._last_logged:
             return None
         self._last_logged = step
         return self._read(ctx)
@@ -150,6 +165,8 @@ class StepLogReader:
         now = time.perf_counter()
         record: dict[str, float] = {"step": ctx.step_count, "epoch": ctx.epoch}
         record.update(zip(names, values, strict=True))
+        if "train_loss" in record and self._steps:
+            record["train_loss_avg"] = self._average(record["train_loss"], self._steps)
         record.update(_learning_rates(ctx))
         if self._clock is not None and self._steps:
             elapsed = now - self._clock
@@ -159,6 +176,22 @@ class StepLogReader:
         self._loss_sum, self._loss_batches = None, 0
         self._clock, self._samples, self._steps = now, 0, 0
         return record
+
+    def _average(self, window_mean: float, steps: int) -> float:
+        """The mean loss over the newest logging windows that cover ``average_steps`` steps."""
+        recent = self._recent
+        recent.appendleft((window_mean, steps))
+        total = weighted = 0.0
+        kept = 0
+        for mean, count in recent:
+            kept += 1
+            total += count
+            weighted += mean * count
+            if total >= self.average_steps:
+                break
+        while len(recent) > kept:
+            recent.pop()
+        return weighted / total
 
     def read_validation(self, ctx: TrainingContext) -> dict[str, float]:
         """``ctx.validation`` as ``val_<name>`` floats (one host transfer); restarts the step clock."""
@@ -200,14 +233,14 @@ class ProgressBarHook:
     most every ``refresh_interval`` seconds; loss and throughput are refreshed on
     logging steps. When ``stream`` is not a terminal (a batch job's log file) it
     writes one line per logging step and one per validation instead. The shown
-    loss is an exponential moving average (``smoothing``) of the logged window means.
+    loss is ``train_loss_avg``: the mean over the last ``loss_average_window_steps``
+    steps of the step scheduler (in whole logging windows).
     """
 
     plugin_name: ClassVar[str] = "progress_bar"
 
     log_every_n_steps: int = attrs.field(default=10, validator=int_at_least(1))
     refresh_interval: float = attrs.field(default=0.5)
-    smoothing: float = attrs.field(default=0.3, validator=float_in_range(0, 1, include_high=True))
     #: Where to draw; default ``sys.stderr`` at the time the run starts.
     stream: TextIO | None = None
     #: Force the bar (True) or log lines (False); None: a bar only on a terminal.
@@ -219,7 +252,6 @@ class ProgressBarHook:
     _out: TextIO | None = attrs.field(init=False, default=None)
     _active: bool = attrs.field(init=False, default=False)
     _started: bool = attrs.field(init=False, default=False)
-    _smoothed: float | None = attrs.field(init=False, default=None)
     _total: int | None = attrs.field(init=False, default=None)
     _postfix: dict[str, str] = attrs.field(init=False, factory=dict)
 
@@ -235,8 +267,7 @@ class ProgressBarHook:
     def before_training(self, ctx: TrainingContext) -> None:
         self._active = ctx.rank == 0
         self._started = False
-        self._reader.start()
-        self._smoothed = None
+        self._reader.start(ctx)
 
     @hookimpl
     def before_epoch(self, ctx: TrainingContext) -> None:
@@ -279,19 +310,15 @@ class ProgressBarHook:
             self._bar.update(1)
         if record is None:
             return
-        loss = record.get("train_loss")
-        if loss is not None and math.isfinite(loss):
-            self._smoothed = loss if self._smoothed is None else (
-                self.smoothing * loss + (1.0 - self.smoothing) * self._smoothed
-            )
+        smoothed = record.get("train_loss_avg")
         if self._bar is not None:
-            if self._smoothed is not None:
-                self._postfix["loss"] = f"{self._smoothed:.4g}"
+            if smoothed is not None:
+                self._postfix["loss"] = f"{smoothed:.4g}"
             if "samples_per_s" in record:
                 self._postfix["samples/s"] = f"{record['samples_per_s']:.0f}"
             self._bar.set_postfix(self._postfix, refresh=False)
         else:
-            self._line(ctx, record, smoothed=self._smoothed)
+            self._line(ctx, record, smoothed=smoothed)
 
     @hookimpl
     def after_validation(self, ctx: TrainingContext) -> None:
@@ -318,7 +345,7 @@ class ProgressBarHook:
         if smoothed is not None:
             parts.append(f"loss {smoothed:.4g}")
         for key, value in record.items():
-            if key in ("step", "epoch", "train_loss"):
+            if key in ("step", "epoch", "train_loss", "train_loss_avg"):
                 continue
             parts.append(f"{key} {value:.4g}")
         assert self._out is not None
@@ -361,7 +388,7 @@ class _StepRecordLogger:
     def before_training(self, ctx: TrainingContext) -> None:
         self._active = ctx.rank == 0
         self._start_step = None
-        self._reader.start()
+        self._reader.start(ctx)
 
     @hookimpl
     def before_epoch(self, ctx: TrainingContext) -> None:
@@ -501,7 +528,10 @@ def tensorboard_available() -> bool:
 class TensorBoardHook(_StepRecordLogger):
     """Writes the same scalars as the CSV logger as TensorBoard events under ``log_dir``.
 
-    Tags: ``train/loss``, ``train/lr``, ``perf/step_time``, ``perf/samples_per_s``,
+    It is an experiment logger: unless ``log_every_n_steps`` is given, it writes on
+    the step scheduler's ``log_remote_every_steps`` cadence.
+
+    Tags: ``train/loss``, ``train/loss_avg``, ``train/lr``, ``perf/step_time``, ``perf/samples_per_s``,
     ``val/<metric>`` and ``train/<name>`` for other ``ctx.metrics`` entries. A
     resumed run purges events after the step it resumed from. Needs the
     ``tensorboard`` package (``pip install 'nvtrain[tensorboard]'``).
@@ -510,7 +540,8 @@ class TensorBoardHook(_StepRecordLogger):
     plugin_name: ClassVar[str] = "tensorboard"
 
     log_dir: Path = attrs.field(converter=Path)
-    log_every_n_steps: int = attrs.field(default=10, validator=int_at_least(1))
+    #: None: follow the step scheduler's ``log_remote_every_steps`` (the experiment-logger cadence).
+    log_every_n_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     priority: int = LOGGING_PRIORITY
 
     _reader: StepLogReader = attrs.field(init=False)
@@ -546,6 +577,8 @@ class TensorBoardHook(_StepRecordLogger):
 def _tag(key: str) -> str:
     if key == "train_loss":
         return "train/loss"
+    if key == "train_loss_avg":
+        return "train/loss_avg"
     if key.startswith("val_"):
         return "val/" + key[4:]
     if key in ("step_time", "samples_per_s"):

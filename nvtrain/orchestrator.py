@@ -306,14 +306,16 @@ def _vetoed(votes: list[Any], voters: Callable[[], list[str]]) -> bool:
 
 
 def _check_decide_then_act(step_hooks: Sequence[TrainingUpdateHook]) -> None:
-    """Refuse a DO_OPTIMIZER_STEP order in which a deferring veto could follow a hook that used the gradients.
+    """Refuse a DO_OPTIMIZER_STEP order in which a hook could act on gradients it must not act on yet.
 
-    Vetoes that defer the step (accumulation) must all be cast before any hook
-    unscales, clips or measures the gradients: otherwise an accumulating micro-batch
-    would leave gradients that were already acted on, and the next micro-batch's
-    gradients would be added to them at another scale.
+    Two orders are refused: a veto that defers the step (accumulation) after a hook
+    that used the gradients (an accumulating micro-batch would leave gradients
+    already acted on, and the next micro-batch's would be added at another scale);
+    and a hook that uses the gradients before the hook that rescales them (it would
+    clip or measure gradients multiplied by the fp16 loss scale).
     """
     first_user: TrainingUpdateHook | None = None
+    rescaler = next((h for h in step_hooks if getattr(h, "rescales_gradients", False)), None)
     for hook in step_hooks:
         if first_user is not None and defers_step(hook):
             user, label = hook_label(first_user), hook_label(hook)
@@ -323,12 +325,33 @@ def _check_decide_then_act(step_hooks: Sequence[TrainingUpdateHook]) -> None:
                 f"{user} uses the gradients (unscales, clips or measures them) before {label}, which may "
                 f"veto the step to keep accumulating, so gradients acted on for a step that does not happen "
                 f"would be accumulated into. Give {label} a priority below {first_user.priority} (gradient "
-                f"accumulation runs at 10); or, if its veto abandons the step (the next micro-batch zeroes the "
-                f"gradients), declare veto_discards = True on it; or, if {user} does not touch the "
-                "gradients, declare uses_gradients = False on it."
+                f"accumulation runs at 10){_undeclared_hint(hook)}; or, if its veto abandons the step (the next "
+                f"micro-batch zeroes the gradients), declare veto_discards = True on it; or, if {user} does not "
+                "touch the gradients, declare uses_gradients = False on it."
+            )
+        if rescaler is not None and hook is rescaler:
+            rescaler = None  # every hook from here on sees unscaled gradients
+        elif rescaler is not None and uses_gradients(hook):
+            user, label = hook_label(hook), hook_label(rescaler)
+            raise ValueError(
+                f"update hooks {user} (priority {hook.priority}) and {label} (priority {rescaler.priority}) "
+                f"cannot be composed in this order: at stage DO_OPTIMIZER_STEP {user} uses the gradients "
+                f"before {label} unscales them, so it would clip or measure gradients multiplied by the loss "
+                f"scale. Give {user} a priority above {rescaler.priority} (clipping runs at 30, spike skipping "
+                f"at 40){_undeclared_hint(hook)}; or, if it does not touch the gradients, declare "
+                "uses_gradients = False on it."
             )
         if first_user is None and uses_gradients(hook):
             first_user = hook
+
+
+def _undeclared_hint(hook: object) -> str:
+    if getattr(hook, "uses_gradients", None) is not None:
+        return ""
+    return (
+        f", and note that {hook_label(hook)} declares no uses_gradients, so it is assumed to use them: "
+        "declare uses_gradients = False on it if it decides from counters alone, as an accumulation hook does"
+    )
 
 
 def _check_composition(hooks: Sequence[object]) -> None:

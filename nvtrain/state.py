@@ -358,7 +358,7 @@ class PendingRestore:
         """Keep ``state`` (or only its data position) for the next BEFORE_TRAINING, replacing anything held."""
         self.state, self.source, self.scheduler_only = state, source, scheduler_only
 
-    @hookimpl(tryfirst=True)
+    @hookimpl
     def before_training(self, ctx: Any) -> None:
         state, self.state = self.state, None
         if state is None:

@@ -162,7 +162,7 @@ class StepScheduler:
         save_checkpoint_every_epoch: bool = True,
         validate_on_checkpoint: bool = True,
         val_every_steps: int | Sequence[int] | None = None,
-        log_remote_every_steps: int = 1,
+        log_remote_every_steps: int = 10,
         loss_average_window_steps: int = 50,
         gc_every_steps: int | None = None,
         start_step: int = 0,
@@ -725,7 +725,7 @@ class StepSchedulerConfig:
     save_checkpoint_every_epoch: bool = True
     validate_on_checkpoint: bool = True
     val_every_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
-    log_remote_every_steps: int = attrs.field(default=1, validator=int_at_least(1))
+    log_remote_every_steps: int = attrs.field(default=10, validator=int_at_least(1))
     loss_average_window_steps: int = attrs.field(default=50, validator=int_at_least(1))
     gc_every_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     start_step: int = attrs.field(default=0, validator=int_at_least(0))

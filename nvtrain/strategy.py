@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -311,6 +312,9 @@ class TrainingStrategy:
         ctx.scheduler = scheduler
         ctx.preempted = False
         ctx.windowed = True
+        manual_gc = scheduler.gc_every_steps is not None and gc.isenabled()
+        if manual_gc:  # collect on the step cadence only, as NeMo does: no gc pause inside a step
+            gc.disable()
         try:
             with scheduler:
                 ctx.stage = _BEFORE_TRAINING
@@ -323,6 +327,8 @@ class TrainingStrategy:
                 bus.after_training(ctx)
         finally:
             ctx.windowed = False
+            if manual_gc:
+                gc.enable()
         return RunResult(
             step_count=ctx.step_count,
             global_step_count=ctx.global_step_count,
@@ -341,6 +347,7 @@ class TrainingStrategy:
         bus.before_epoch(ctx)
         validated_at: int | None = None
         has_validation_data = self._has_validation_data()
+        collect_garbage = scheduler.gc_every_steps is not None
         train_micro_batch = self._train_micro_batch
         for window in scheduler:
             size = len(window)
@@ -352,6 +359,8 @@ class TrainingStrategy:
                     ctx.window_size, ctx.window_position = size, position
                     ctx.sync_gradients = position == size - 1
                     train_micro_batch(batch, scheduler if position == size - 1 else None)
+            if collect_garbage and scheduler.is_gc_step:
+                gc.collect()
             if has_validation_data and scheduler.is_val_step:
                 self._validate_in_run()
                 validated_at = ctx.step_count

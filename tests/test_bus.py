@@ -567,3 +567,111 @@ def test_equal_but_distinct_plugins_are_refused_with_the_fix(make_strategy: Any)
     with pytest.raises(ValueError, match=r"compares equal to the registered plugin .*Logger.*@attrs.define\(eq=False\)"):
         make_strategy([Logger(), Logger()])
     make_strategy([Logger(1), Logger(2)])  # unequal instances are fine
+
+
+# -- the bus is pluggy's own ------------------------------------------------------------------
+
+
+def test_a_plugin_registered_straight_on_pluggy_is_called_until_unregistered() -> None:
+    log: list[str] = []
+    bus = HookBus(trace=False)
+    bus.register(Plain("via-bus", log, priority=20))
+    direct = Plain("via-pluggy", log, priority=10)
+    bus.pluggy.register(direct, "direct")
+    ctx = nvtrain.TrainingContext()
+    assert bus.after_backward(ctx) == ["via-pluggy", "via-bus"]  # the priority rule applies to it too
+    bus.pluggy.unregister(direct)
+    assert bus.after_backward(ctx) == ["via-bus"]
+    bus.pluggy.set_blocked("blocked")
+    assert bus.pluggy.register(Plain("never", log), "blocked") is None
+    assert bus.after_backward(ctx) == ["via-bus"]
+    bus.pluggy.register(direct, "direct")
+    bus.pluggy.set_blocked("direct")
+    assert bus.after_backward(ctx) == ["via-bus"]
+
+
+def test_pluggy_registration_gets_the_bus_checks() -> None:
+    bus = HookBus(trace=False)
+
+    class Owner:
+        @nvtrain.hookimpl
+        def do_backward(self, ctx: Any) -> None:
+            return None
+
+    bus.pluggy.register(Owner(), "first")
+    with pytest.raises(ValueError, match="replacement slot with one owner"):
+        bus.pluggy.register(Owner(), "second")
+    assert bus.pluggy.get_plugin("second") is None
+
+
+def test_hookcall_monitoring_sees_every_stage_call_and_stops_when_undone() -> None:
+    bus = HookBus(trace=False)
+    bus.register(Plain("p", []))
+    seen: list[str] = []
+    undo = bus.pluggy.add_hookcall_monitoring(lambda name, impls, kwargs: seen.append(name), lambda *args: None)
+    ctx = nvtrain.TrainingContext()
+    for stage in TrainingStage:
+        bus.call(stage, ctx)
+    assert seen == [stage.hook_name for stage in TrainingStage]  # also stages nothing implements
+    undo()
+    seen.clear()
+    bus.after_loss(ctx)
+    bus.after_epoch(ctx)
+    assert seen == []
+    assert bus.after_epoch is bus_module._no_results
+
+
+def test_enable_tracing_through_pluggy_traces_stage_calls(capsys: pytest.CaptureFixture[str]) -> None:
+    bus = HookBus(trace=False)
+    bus.register(Plain("traced", []))
+    bus.pluggy.trace.root.setwriter(lambda message: print(message, end=""))
+    undo = bus.pluggy.enable_tracing()
+    bus.after_loss(nvtrain.TrainingContext())
+    undo()
+    assert "after_loss" in capsys.readouterr().out
+
+
+def test_an_implementation_priority_overrides_its_plugins() -> None:
+    log: list[str] = []
+
+    class Early:
+        priority = 90
+
+        @nvtrain.hookimpl(priority=-5)
+        def after_loss(self, ctx: Any) -> None:
+            log.append("early.after_loss")
+
+        @nvtrain.hookimpl
+        def after_backward(self, ctx: Any) -> None:
+            log.append("early.after_backward")
+
+    bus = HookBus(trace=False)
+    bus.register(Plain("plain", log))
+    bus.register(Early())
+    ctx = nvtrain.TrainingContext()
+    bus.after_loss(ctx)
+    bus.after_backward(ctx)
+    assert log == ["early.after_loss", "plain", "plain", "early.after_backward"]
+    with pytest.raises(TypeError, match=r"priority=\.\.\.\) must be an int"):
+        nvtrain.hookimpl(priority="high")  # type: ignore[call-overload]
+
+
+def test_tryfirst_and_trylast_break_ties_among_equal_priorities() -> None:
+    log: list[str] = []
+
+    def plugin(label: str, **opts: Any) -> object:
+        def impl(self: object, ctx: Any) -> None:
+            log.append(label)
+
+        return type(label, (), {"after_loss": nvtrain.hookimpl(**opts)(impl)})()
+
+    bus = HookBus(trace=False)
+    for p in (plugin("last", trylast=True), plugin("plain"), plugin("first", tryfirst=True)):
+        bus.register(p)
+    bus.after_loss(nvtrain.TrainingContext())
+    assert log == ["first", "plain", "last"]
+
+
+def test_a_plugin_that_implements_no_stage_is_refused(make_strategy: Any) -> None:
+    with pytest.raises(TypeError, match="object implements no stage"):
+        make_strategy([object()])

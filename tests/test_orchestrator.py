@@ -506,3 +506,90 @@ def test_orchestrator_refuses_non_update_hooks() -> None:
 def test_non_int_update_priority_is_refused() -> None:
     with pytest.raises(TypeError, match=r"hook Recording: 'priority' must be an int \(got 1.5\)"):
         TrainingUpdateOrchestrator([Recording("a", [], priority=1.5)])  # type: ignore[arg-type]
+
+
+# -- decide, then act: runtime guard and malformed results --------------------------------------
+
+
+class UsesGradients(TrainingUpdateHook):
+    """Declares that it uses gradients at DO_OPTIMIZER_STEP (like clipping) and never vetoes."""
+
+    stages = frozenset({S.DO_OPTIMIZER_STEP})
+    vetoes = frozenset()
+    uses_gradients = True
+
+    def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
+        return True, None
+
+
+def test_keeping_gradients_a_step_used_is_refused_at_the_next_batch(make_strategy: Any, batches: Any) -> None:
+    class KeepGradients:
+        @nvtrain.hookimpl
+        def before_batch(self, ctx: Any) -> bool:
+            return ctx.batch_count == 0  # veto zeroing from the second micro-batch on
+
+    strategy = make_strategy([UsesGradients(), KeepGradients()])
+    data = batches(2)
+    strategy.train_batch(data[0])
+    with pytest.raises(RuntimeError, match=r"BEFORE_BATCH: one of .*KeepGradients.* vetoed gradient zeroing, but update hook UsesGradients already used"):
+        strategy.train_batch(data[1])
+
+
+def test_keeping_gradients_is_allowed_when_no_hook_used_them(make_strategy: Any, batches: Any) -> None:
+    class KeepGradients:
+        @nvtrain.hookimpl
+        def before_batch(self, ctx: Any) -> bool:
+            return ctx.batch_count == 0
+
+    strategy = make_strategy([KeepGradients()])
+    for batch in batches(3):
+        strategy.train_batch(batch)
+    assert strategy.ctx.step_count == 3
+
+
+@pytest.mark.parametrize(
+    ("returned", "shown"),
+    [(None, "NoneType: None"), (True, "bool: True"), ((True, None, 1), r"tuple: \(True, None, 1\)")],
+)
+@pytest.mark.parametrize("stage", [S.BEFORE_BATCH, S.DO_BACKWARD, S.DO_OPTIMIZER_STEP])
+def test_a_result_that_is_not_a_pair_names_the_hook_and_stage(
+    make_strategy: Any, batches: Any, returned: Any, shown: str, stage: TrainingStage
+) -> None:
+    class Broken(TrainingUpdateHook):
+        uses_gradients = False
+        stages = frozenset({stage})
+
+        def __call__(self, ctx: Any, s: TrainingStage, will_skip: bool) -> Any:
+            return returned
+
+    strategy = make_strategy([Broken()])
+    with pytest.raises(TypeError, match=rf"update hook .*Broken at stage {stage.name} must return a 2-tuple .*got {shown}"):
+        strategy.train_batch(batches(1)[0])
+
+
+def test_a_veto_the_hook_did_not_declare_is_an_error(make_strategy: Any, batches: Any) -> None:
+    class Undeclared(TrainingUpdateHook):
+        stages = frozenset({S.DO_OPTIMIZER_STEP})
+        vetoes = frozenset()
+        uses_gradients = False
+
+        def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, None]:
+            return False, None
+
+    with pytest.raises(TypeError, match=r"Undeclared vetoed stage DO_OPTIMIZER_STEP, but its 'vetoes' declaration"):
+        make_strategy([Undeclared()]).train_batch(batches(1)[0])
+
+
+def test_a_hook_using_gradients_before_the_unscale_is_refused(make_strategy: Any) -> None:
+    class Rescaler(UsesGradients):
+        priority = 20
+        rescales_gradients = True
+
+    early = UsesGradients()
+    early.priority = 10
+    with pytest.raises(ValueError, match=r"UsesGradients \(priority 10\) and .*Rescaler \(priority 20\) cannot be composed.*priority above 20"):
+        make_strategy([Rescaler(), early])
+
+
+def test_an_empty_orchestrator_is_truthy() -> None:
+    assert bool(TrainingUpdateOrchestrator([])) and len(TrainingUpdateOrchestrator([])) == 0

@@ -60,7 +60,6 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         {_BEFORE_BATCH, _DO_BACKWARD, _DO_OPTIMIZER_STEP, _AFTER_OPTIMIZER_STEP}
     )
     vetoes: ClassVar[frozenset[TrainingStage] | None] = frozenset()
-    uses_gradients: ClassVar[bool | None] = True  # unscales them (fp16)
 
     precision: Precision = attrs.field(converter=parse_precision)
     init_scale: float = attrs.field(default=2.0**16, validator=number_above(0))
@@ -81,6 +80,16 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     _saved_precision: str | None = attrs.field(init=False, default=None, repr=False)
 
     # -- what the rest of the framework reads ---------------------------------------------
+
+    @property
+    def uses_gradients(self) -> bool:  # type: ignore[override]
+        """Under fp16 it unscales the gradients at DO_OPTIMIZER_STEP; bf16 and fp32 leave them alone."""
+        return self.precision == torch.float16
+
+    @property
+    def rescales_gradients(self) -> bool:  # type: ignore[override]
+        """Under fp16 every other hook that uses gradients must run after the unscale."""
+        return self.precision == torch.float16
 
     @property
     def dtype(self) -> torch.dtype | None:
