@@ -629,7 +629,7 @@ def _plan_resume(plan: Plan, built: Built, rank: int, world_size: int, fresh: Ma
         path = hook.resume_checkpoint(rank, world_size)
         manifest = hook.read_manifest(path) if path is not None else None
     except ResumeError as err:
-        raise loaded.error(f"cannot resume: {err}", ("hooks", index)) from None
+        raise loaded.error(f"cannot resume: {err}", ("hooks", index, "resume")) from None
     if path is None or manifest is None:
         return
     step = int(manifest.get("step", 0))

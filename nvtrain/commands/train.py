@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
         full = disk_full(err)
         if full is None:
             raise
-        where = f" ({full.filename})" if full.filename else ""
-        return error(f"no space left on device{where}: {full.strerror or err}", EXIT_FAILURE)
+        where = f"writing {full.filename}" if full.filename else str(full.strerror or err)
+        return error(f"no space left on device {where}", EXIT_FAILURE)
 
 
 def error(message: str, code: int) -> int:

@@ -129,8 +129,8 @@ def save_checkpoint(
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # the original error is what matters; never leave a half-save
         full = _disk_full(err)
-        if full is not None and full is not err:  # torch.save hides ENOSPC behind "[enforce fail at ...]"
-            raise OSError(full.errno, f"no space left on device writing checkpoint {root / name}", str(root)) from err
+        if full is not None:  # torch.save may hide ENOSPC behind "[enforce fail at ...]": name the checkpoint
+            raise OSError(full.errno, full.strerror or "No space left on device", str(root / name)) from err
         raise
     final = publish(tmp, root / name)
     write_latest(root, name)

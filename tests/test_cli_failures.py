@@ -1,0 +1,374 @@
+"""`nvtrain train` / `validate` / `plot` on the failure paths: each says what happened, in one line.
+
+In-process (``nvtrain.cli.main``) so the suite stays quick: a preemption is a signal
+the process sends itself from a hook, a diverging run a loss that is NaN.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from nvtrain.app import (
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_PREEMPTED_UNSAVED,
+    EXIT_USAGE,
+)
+from nvtrain.cli import main
+
+HELPERS = '''\
+import os, signal
+import torch
+import nvtrain
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class SendSignal:
+    """Sends this process ``signal_name`` ``times`` times after optimizer step ``at``."""
+
+    def __init__(self, at=3, signal_name="SIGTERM", times=1):
+        self.at, self.name, self.times, self.sent = at, signal_name, times, False
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx):
+        if ctx.sync_gradients and ctx.step_count == self.at and not self.sent:
+            self.sent = True
+            for _ in range(self.times):
+                os.kill(os.getpid(), getattr(signal, self.name))
+
+
+def nan_loss(outputs, targets):
+    return torch.nn.functional.cross_entropy(outputs, targets) * float("nan")
+
+
+def nan_after(outputs, targets, step=[0]):
+    step[0] += 1
+    loss = torch.nn.functional.cross_entropy(outputs, targets)
+    return loss * float("nan") if step[0] > 6 else loss
+
+
+def empty_loaders():
+    data = TensorDataset(torch.zeros(0, 64), torch.zeros(0, dtype=torch.long))
+    return DataLoader(data, batch_size=8), None
+'''
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="", encoding="utf-8") as file:
+        return list(csv.DictReader(file))
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A small digits job in ``tmp_path`` (helpers module beside it); returns the config path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "failure_helpers.py").write_text(HELPERS, encoding="utf-8")
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        textwrap.dedent(
+            f"""\
+            output_dir: {tmp_path / 'out'}
+            device: cpu
+            model: {{factory: nvtrain.builtin.digits:make_classifier, kwargs: {{hidden: 16, depth: 1}}}}
+            data: {{factory: nvtrain.builtin.digits:make_loaders, kwargs: {{batch_size: 64}}}}
+            trainer: {{max_steps: 8}}
+            validation: {{every_n_epochs: null}}
+            logging: {{log_every_n_steps: 2, tensorboard: false, plot: false, progress_bar: false}}
+            """
+        ),
+        encoding="utf-8",
+    )
+    return config
+
+
+def sets(*overrides: str) -> list[str]:
+    return [item for override in overrides for item in ("--set", override)]
+
+
+# -- 3. validate builds what train builds -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "where", "message"),
+    [
+        ("hooks=[{name: amp, precision: auto}, {name: amp, precision: auto}]", "hooks", "exclusive key"),
+        ("hooks=[{name: accumulate, steps: 2}, {name: accumulate, steps: 2}]", "hooks", "exclusive key"),
+        ("optimizer.kwargs.lr=-1", "optimizer.kwargs.lr", "Invalid learning rate: -1"),
+        ("data.kwargs.batch_size=0", "data.kwargs.batch_size", "batch sizes must be >= 1"),
+        ("data.kwargs.val_fraction=1.5", "data.kwargs.val_fraction", "val_fraction must be in (0, 1)"),
+    ],
+)
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_construction_errors_are_one_line_exit_2_and_write_nothing(
+    job: Path, capsys: pytest.CaptureFixture[str], command: str, override: str, where: str, message: str
+) -> None:
+    assert main([command, str(job), *sets(override)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"nvtrain {command}: error: --set {override}: {where}: "), err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (job.parent / "out").exists()
+
+
+def test_an_empty_training_loader_is_named(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = sets(
+        "data={factory: failure_helpers:empty_loaders}",
+        "lr_scheduler={factory: 'torch.optim.lr_scheduler:CosineAnnealingLR'}",
+    )
+    assert main(["validate", str(job), *overrides]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "returned an empty training loader (len() == 0)" in err and "has no len()" not in err
+
+
+# -- 1. preemption tells the truth ----------------------------------------------------------------
+
+
+def test_preemption_without_a_checkpoint_hook_warns_and_exits_76(
+    job: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    overrides = sets("trainer.max_steps=1000", "hooks=[{name: 'failure_helpers:SendSignal', at: 3}]")
+    assert main(["train", str(job), *overrides]) == EXIT_PREEMPTED_UNSAVED
+    out = capsys.readouterr().out
+    assert "checkpoint saved" not in out
+    assert "| step 4 |" in out and "preempted: nothing was saved (no checkpoint hook)" in out
+    assert f"(exit status {EXIT_PREEMPTED_UNSAVED})" in out
+    assert "will stop the run but nothing will be saved: add the checkpoint hook" in caplog.text
+
+
+def test_preemption_with_a_checkpoint_names_it_and_exits_75(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = sets(
+        "trainer.max_steps=1000",
+        "hooks=[{name: 'failure_helpers:SendSignal', at: 3}, {name: checkpoint, resume: auto}]",
+    )
+    assert main(["train", str(job), *overrides]) == EXIT_PREEMPTED
+    saved = job.parent / "out" / "job" / "checkpoints" / "step_4"  # sent after step 3, agreed at step 4
+    assert f"preempted: checkpoint saved at step 4 ({saved}), rerun to resume" in capsys.readouterr().out
+    assert (saved / "manifest.json").is_file()
+
+
+def test_ctrl_c_preempts_and_a_second_one_aborts(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    signal_hook = "{name: 'failure_helpers:SendSignal', at: 2, signal_name: SIGINT, times: %d}"
+    overrides = sets("trainer.max_steps=1000", "hooks=[%s]" % (signal_hook % 1))
+    assert main(["train", str(job), *overrides]) == EXIT_PREEMPTED_UNSAVED  # stopped cleanly, no KeyboardInterrupt
+    captured = capsys.readouterr()
+    assert "| step 3 |" in captured.out and "Traceback" not in captured.err
+    overrides = sets("trainer.max_steps=1000", "hooks=[%s]" % (signal_hook % 2))
+    assert main(["train", str(job), *overrides]) == EXIT_INTERRUPTED
+    assert "nvtrain train: interrupted" in capsys.readouterr().err
+
+
+# -- 2. divergence ------------------------------------------------------------------------------------
+
+
+def test_a_permanently_nan_loss_with_spike_skip_stops_within_the_limit(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = sets(
+        "loss.function=failure_helpers:nan_loss",
+        "trainer={num_epochs: 200, max_consecutive_skipped_steps: 5}",
+        "hooks=[spike_skip]",
+    )
+    assert main(["train", str(job), *overrides]) == EXIT_DIVERGED
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("nvtrain train: error:")]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert errors[0].startswith("nvtrain train: error: training diverged: 5 optimizer steps in a row were skipped")
+    assert "(none since step 0, epoch 1)" in errors[0]
+
+
+def test_a_nan_training_loss_is_reported_at_the_next_logging_step(
+    job: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert main(["train", str(job), *sets("loss.function=failure_helpers:nan_after")]) == EXIT_OK
+    warnings = [r.getMessage() for r in caplog.records if "training loss is nan" in r.getMessage()]
+    assert len(warnings) == 1 and "at step 8" in warnings[0]  # NaN from step 7; logged every 2 steps
+
+
+def test_a_nan_validation_loss_is_reported(job: Path, caplog: pytest.LogCaptureFixture) -> None:
+    overrides = sets("loss.function=failure_helpers:nan_loss", "validation.every_n_steps=4")
+    assert main(["train", str(job), *overrides]) == EXIT_OK
+    assert "validation loss is nan at step 4" in caplog.text
+
+
+# -- 6. one-line errors --------------------------------------------------------------------------------
+
+
+def test_plot_of_a_config_file_is_one_line(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plot", str(job)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == f"nvtrain plot: error: {job} is a file, not a run directory or a metrics CSV (e.g. nvtrain plot runs/digits)\n"
+
+
+def test_a_full_disk_is_one_line_naming_the_checkpoint(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from nvtrain_checkpoint import storage
+
+    def full(self: object, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage._DigestWriter, "write", full)  # torch.save then fails with "[enforce fail at ...]"
+    assert main(["train", str(job), *sets("hooks=[checkpoint]", "trainer.max_steps=2")]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("nvtrain train: error:")]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert errors[0].startswith("nvtrain train: error: no space left on device")
+    assert str(job.parent / "out" / "job" / "checkpoints" / "step_2") in errors[0]
+
+
+def test_an_allow_listed_plugin_that_is_missing_is_not_called_installed(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NVTRAIN_PLUGINS", "amp,nosuch_plugin_for_tests")
+    assert main(["validate", str(job), *sets("hooks=[{name: amp, precision: auto}, ema]")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "hook 'ema' is an installed plugin that NVTRAIN_PLUGINS=amp,nosuch_plugin_for_tests does not allow" in err
+    assert main(["validate", str(job), *sets("hooks=[emma]")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "installed plugins: amp;" in err and "not installed: nosuch_plugin_for_tests" in err
+
+
+# -- 4. resuming with a changed config -----------------------------------------------------------------
+
+CHECKPOINTED = (
+    "hooks=[{name: checkpoint, resume: auto, step_interval: 2}]",
+    "optimizer.kwargs.lr=0.003",
+    "lr_scheduler={factory: 'torch.optim.lr_scheduler:CosineAnnealingLR'}",
+)
+
+
+def first_run(job: Path, *extra: str) -> Path:
+    assert main(["train", str(job), *sets(*CHECKPOINTED, "trainer.max_steps=4", *extra)]) == EXIT_OK
+    return job.parent / "out" / "job"
+
+
+def snapshot_files(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def checkpoint_state(run: Path, step: int) -> dict[str, object]:
+    from nvtrain_checkpoint import read_checkpoint
+
+    return read_checkpoint(run / "checkpoints" / f"step_{step}")
+
+
+def test_a_changed_learning_rate_is_applied_on_resume_and_recorded(
+    job: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = first_run(job)
+    caplog.set_level(logging.INFO)
+    assert main(["train", str(job), *sets(*CHECKPOINTED, "trainer.max_steps=6", "optimizer.kwargs.lr=0.5")]) == 0
+    assert "optimizer.kwargs.lr: 0.003 -> 0.5 (applied on resume" in caplog.text
+    assert "trainer.max_steps: 4 -> 6 (takes effect" in caplog.text
+    group = checkpoint_state(run, 6)["optimizers"]["main"]["param_groups"][0]
+    assert group["initial_lr"] == 0.5  # the cosine schedule now starts from 0.5: at step 4 of 6 it is 0.125
+    assert "optimizer 'main': lr at step 4 is now 0.125 (was " in caplog.text
+    assert yaml.safe_load((run / "config.yaml").read_text())["optimizer"]["kwargs"]["lr"] == 0.5
+
+
+def test_a_longer_run_re_derives_the_cosine_horizon(job: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = first_run(job, "trainer.max_steps=null", "trainer.num_epochs=1", "hooks.0.step_interval=null")
+    first = checkpoint_state(run, 23)  # 1437 training images / 64 per batch: 23 steps an epoch
+    assert first["lr_schedulers"]["main"]["T_max"] == 23
+    caplog.set_level(logging.INFO)
+    longer = sets(*CHECKPOINTED, "trainer.max_steps=null", "trainer.num_epochs=2", "hooks.0.step_interval=null")
+    assert main(["train", str(job), *longer]) == EXIT_OK
+    assert "T_max 23 -> 46" in caplog.text
+    final = checkpoint_state(run, 46)
+    assert final["lr_schedulers"]["main"]["T_max"] == 46
+    assert final["optimizers"]["main"]["param_groups"][0]["lr"] < 1e-6  # the schedule ends at its end, not climbing
+
+
+def test_another_optimizer_class_is_refused_before_anything_is_written(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = first_run(job)
+    before = snapshot_files(run)
+    capsys.readouterr()
+    overrides = sets(*CHECKPOINTED, "trainer.max_steps=6", "optimizer={factory: 'torch.optim:SGD', kwargs: {lr: 0.1}}")
+    assert main(["train", str(job), *overrides]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "KeyError" not in err
+    assert f"cannot resume from {run / 'checkpoints' / 'step_4'} with this config: optimizer.factory: " in err
+    assert "'torch.optim:AdamW' -> 'torch.optim:SGD' (refused: an optimizer's state cannot move" in err
+    assert snapshot_files(run) == before
+
+
+def test_another_model_architecture_is_refused_in_one_line(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = first_run(job)
+    before = snapshot_files(run)
+    capsys.readouterr()
+    assert main(["train", str(job), *sets(*CHECKPOINTED, "trainer.max_steps=6", "model.kwargs.hidden=24")]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("nvtrain train: error:")]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert "cannot resume: the checkpoint's weights for model 'main' do not fit this model" in errors[0]
+    assert "model config changed since the checkpoint: model.kwargs.hidden: 16 -> 24" in errors[0]
+    assert snapshot_files(run) == before
+
+
+def test_max_steps_at_the_checkpoint_trains_nothing_and_touches_nothing(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = first_run(job)
+    before = snapshot_files(run)
+    capsys.readouterr()
+    assert main(["train", str(job), *sets(*CHECKPOINTED, "trainer.max_steps=3")]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "already at step 4" in out and "nothing to train" in out
+    assert snapshot_files(run) == before
+
+
+def test_config_yaml_records_only_what_is_in_effect(job: Path) -> None:
+    run = first_run(job)
+    assert main(["train", str(job), *sets(*CHECKPOINTED, "trainer.max_steps=6", "seed=7")]) == EXIT_OK
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    assert recorded["seed"] == 0 and recorded["trainer"]["max_steps"] == 6  # the RNG streams came from the checkpoint
+
+
+# -- 5. a corrupt checkpoint ------------------------------------------------------------------------------
+
+
+def corrupt(state: Path) -> None:
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+
+
+def test_auto_resume_passes_over_a_corrupt_latest_checkpoint(
+    job: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    run = first_run(job)
+    corrupt(run / "checkpoints" / "step_4" / "state.pt")
+    capsys.readouterr()
+    assert main(["train", str(job), *sets(*CHECKPOINTED, "trainer.max_steps=6")]) == EXIT_OK
+    warning = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: passing over")]
+    assert len(warning) == 1
+    assert str(run / "checkpoints" / "step_4" / "state.pt") in warning[0] and "sha256" in warning[0]
+    assert warning[0].endswith(f"resuming from {run / 'checkpoints' / 'step_2'} instead")
+    assert "| resumed at step 2 |" in capsys.readouterr().out
+
+
+def test_an_explicit_corrupt_checkpoint_is_one_line_exit_2(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = first_run(job)
+    corrupt(run / "checkpoints" / "step_4" / "state.pt")
+    shutil.copytree(run / "checkpoints" / "step_4", job.parent / "saved")
+    capsys.readouterr()
+    overrides = sets(*CHECKPOINTED, f"hooks.0.resume={job.parent / 'saved'}", "name=other", "trainer.max_steps=6")
+    assert main(["train", str(job), *overrides]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("nvtrain train: error: --set hooks.0.resume=") and err.count("\n") == 1
+    assert "cannot resume: " in err and "does not match the sha256 in its manifest" in err
+    assert not (job.parent / "out" / "other").exists()
