@@ -465,3 +465,37 @@ def test_synchronized_stream_stops_at_the_end_of_the_source() -> None:
     rows = drive(scheduler)
     assert [r["window"] for r in rows] == [[0, 1], [2, 3], [4]]
     assert rows[-1]["last"] and scheduler.stream_exhausted
+
+
+# -- divergence ------------------------------------------------------------------------------------
+
+
+def test_consecutive_skipped_steps_stop_the_run_across_epochs() -> None:
+    from nvtrain.errors import TrainingDivergedError
+
+    scheduler = make(list(range(2)), num_epochs=1000, max_consecutive_skipped_steps=5)
+    skipped = 0
+    with pytest.raises(TrainingDivergedError, match=r"5 optimizer steps in a row were skipped \(none since step 1"):
+        for _ in scheduler.epochs:
+            for _ in scheduler:
+                stepped = scheduler.epoch == 0 and scheduler.position == 0  # the very first step only
+                scheduler.finish_step(stepped=stepped)
+                skipped += not stepped
+    assert skipped == 5 and scheduler.epoch == 3  # 2 windows an epoch: stopped before epoch 3's first
+
+
+def test_a_real_step_resets_the_skip_count_and_none_disables_it() -> None:
+    scheduler = make(list(range(12)), max_consecutive_skipped_steps=3)
+    for index, _ in enumerate(scheduler):
+        scheduler.finish_step(stepped=index % 3 == 2)  # two skips, one step: never three in a row
+    assert scheduler.step == 4
+    scheduler = make(list(range(12)), max_consecutive_skipped_steps=None)
+    for _ in scheduler:
+        scheduler.finish_step(stepped=False)
+    assert scheduler.consecutive_skipped_steps == 12
+
+
+def test_the_config_default_stops_after_100_skipped_steps() -> None:
+    config = StepSchedulerConfig()
+    assert config.max_consecutive_skipped_steps == 100
+    assert config.build(list(range(4)), 1, 1).max_consecutive_skipped_steps == 100

@@ -230,3 +230,74 @@ def test_matching_versions_do_not_warn(tmp_path: Path, recwarn: pytest.WarningsR
     path = _save(tmp_path, 1, plugins={"checkpoint": {"distribution": "nvtrain-checkpoint", "version": "0.1.0"}})
     read_checkpoint(path)
     assert not [w for w in recwarn if issubclass(w.category, CheckpointVersionWarning)]
+
+
+# -- health and recovery ---------------------------------------------------------------------------
+
+
+def test_keep_last_n_never_rotates_out_the_newest_healthy_checkpoint(tmp_path: Path) -> None:
+    _save(tmp_path, 1, keep_last_n=2, healthy=True)
+    _save(tmp_path, 2, keep_last_n=2, healthy=True)
+    for step in (3, 4, 5):  # the loss went NaN: every later checkpoint is unhealthy
+        _save(tmp_path, step, keep_last_n=2, healthy=False)
+    assert [info.step for info in list_checkpoints(tmp_path)] == [2, 4, 5]
+    assert json.loads((tmp_path / "step_2" / MANIFEST_NAME).read_text())["healthy"] is True
+    _save(tmp_path, 6, keep_last_n=2, healthy=True)  # healthy again: the old one may go
+    assert [info.step for info in list_checkpoints(tmp_path)] == [5, 6]
+
+
+def test_a_checkpoint_without_a_health_mark_counts_as_healthy(tmp_path: Path) -> None:
+    _save(tmp_path, 1, keep_last_n=1)
+    _save(tmp_path, 2, keep_last_n=1)
+    assert [info.step for info in list_checkpoints(tmp_path)] == [2]
+
+
+def test_checkpoint_hook_marks_each_checkpoint_by_its_loss(tmp_path: Path) -> None:
+    from nvtrain_checkpoint import CheckpointHook
+
+    calls = [0]
+
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        loss = torch.nn.functional.mse_loss(outputs, targets)
+        return loss * float("nan") if calls[0] > 2 else loss
+
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(6)]
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(3, 1),
+        optimizers=lambda params: torch.optim.SGD(params, lr=0.1),
+        loss_fn=loss_fn,
+        hooks=[CheckpointHook(tmp_path, step_interval=1, keep_last_n=2)],
+        device="cpu",
+        step_scheduler=nvtrain.StepSchedulerConfig(max_steps=6, preemption_signal=None),
+    )
+    with strategy:
+        strategy.run(data)
+    kept = {info.step: json.loads((info.path / MANIFEST_NAME).read_text())["healthy"] for info in list_checkpoints(tmp_path)}
+    assert kept == {2: True, 5: False, 6: False}
+
+
+def test_auto_resume_falls_back_to_the_newest_intact_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from nvtrain_checkpoint import CheckpointHook
+
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    state = tmp_path / "step_3" / STATE_NAME
+    state.write_bytes(state.read_bytes()[:-10])  # truncated
+    (tmp_path / "step_4").mkdir()  # a directory without its manifest
+    assert CheckpointHook(tmp_path, resume="auto").resume_checkpoint() == tmp_path / "step_2"
+    (message,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: passing over")]
+    assert f"{tmp_path / 'step_4'} is incomplete (no manifest.json)" in message
+    assert f"{state} is " in message and "truncated" in message
+    assert message.endswith(f"resuming from {tmp_path / 'step_2'} instead")
+
+
+def test_auto_resume_refuses_when_no_checkpoint_is_intact(tmp_path: Path) -> None:
+    from nvtrain_checkpoint import CheckpointHook
+
+    _save(tmp_path, 1)
+    (tmp_path / "step_1" / STATE_NAME).write_bytes(b"PK\x03\x04 garbage")
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint in .* to resume from: .*step_1"):
+        CheckpointHook(tmp_path, resume="auto").resume_checkpoint()
