@@ -152,6 +152,10 @@ def equivalence(out: Path) -> None:
     if manager.rank == 0:
         ref = reference(x, y, steps=4, local_batch=4, world_size=manager.world_size)
         save(out, "reference.pt", {"params": ref})
+    # Tear the group down together: a rank that destroys it while the other is still inside
+    # gloo (rank 0 computes the reference) can abort that rank ("terminate called without an
+    # active exception").
+    manager.barrier()
     nvtrain.DistributedManager.cleanup()
 
 
@@ -224,6 +228,7 @@ def sampler(out: Path) -> None:
             "collate_kept": injected.collate_fn is tagged_collate,
         }
     save(out, f"rank{manager.rank}.pt", payload)
+    manager.barrier()  # tear the group down together (see equivalence)
     nvtrain.DistributedManager.cleanup()
 
 
@@ -261,6 +266,7 @@ def spike_skip(out: Path) -> None:
     if manager.rank == 0:
         ref = reference(x, y, steps=6, local_batch=4, world_size=manager.world_size, skip=(spike_step,))
         save(out, "reference.pt", {"params": ref})
+    manager.barrier()  # tear the group down together (see equivalence)
     nvtrain.DistributedManager.cleanup()
 
 
