@@ -78,6 +78,7 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     )
     _pending_scaler_state: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
     _saved_precision: str | None = attrs.field(init=False, default=None, repr=False)
+    _overflow_skips: torch.Tensor | None = attrs.field(init=False, default=None, repr=False)
 
     # -- what the rest of the framework reads ---------------------------------------------
 
@@ -158,8 +159,29 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             # Also after a later hook vetoed the step: update() consumes the inf checks
             # unscale_ recorded and resets the per-optimizer state, so the next unscale_ works.
             self._unscaled = False
+            self._publish_metrics(ctx)
             self._scaler.update()  # type: ignore[union-attr]
         return True, None
+
+    def _publish_metrics(self, ctx: nvtrain.TrainingContext) -> None:
+        """fp16: ``loss_scale`` and ``overflow_skips`` (steps GradScaler skipped for inf/NaN gradients) in
+        ``ctx.metrics``, as device tensors the loggers read on logging steps only (no per-step host sync)."""
+        scaler = self._scaler
+        assert scaler is not None
+        found = [
+            flag.reshape(()).float()
+            for optimizer in ctx.optimizers.values()
+            for flag in scaler._found_inf_per_device(optimizer).values()
+        ]
+        if not found:
+            return
+        overflowed = torch.stack([f.to(found[0].device) for f in found]).amax()
+        if self._overflow_skips is None or self._overflow_skips.device != overflowed.device:
+            self._overflow_skips = torch.zeros((), device=overflowed.device)
+        self._overflow_skips.add_(overflowed)
+        ctx.metrics["overflow_skips"] = self._overflow_skips
+        if scaler._scale is not None:
+            ctx.metrics["loss_scale"] = scaler._scale  # updated in place by scaler.update()
 
     def step_optimizer(self, ctx: nvtrain.TrainingContext, name: str, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` (through the scaler under fp16); return whether it really stepped.

@@ -620,3 +620,23 @@ def test_bf16_state_round_trip() -> None:
     other = MixedPrecisionHook(precision="bfloat16")
     other.load_state_dict(state)
     assert isinstance(hook, nvtrain.CheckpointableHook)
+
+
+def test_fp16_loss_scale_and_overflow_skips_reach_the_metrics_file(tmp_path: Any) -> None:
+    """The CSV logger reads ``loss_scale`` and ``overflow_skips`` on logging steps (tensors until then)."""
+    import csv
+
+    from nvtrain.logging_hooks import CSVLoggerHook
+
+    hook = MixedPrecisionHook(precision="fp16", init_scale=1024.0)
+    logger = CSVLoggerHook(tmp_path / "metrics.csv", log_every_n_steps=2)
+    strategy = make_strategy([hook, InjectInf(batches=frozenset({1})), logger], "cpu", scheduler=True)
+    with strategy:
+        strategy.run(make_batches(5, "cpu"))
+    with (tmp_path / "metrics.csv").open(newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row["train_loss"]]
+    assert isinstance(strategy.ctx.metrics["loss_scale"], torch.Tensor)
+    assert [(row["step"], row["overflow_skips"], row["loss_scale"]) for row in rows] == [
+        ("2", "1", "512"),
+        ("4", "1", "512"),
+    ]
