@@ -15,7 +15,7 @@ import pytest
 import nvtrain
 from nvtrain import config as config_module
 from nvtrain.hooks import GradientAccumulationHook, GradientClippingHook, ModulePatchHook, SpikeSkipHook
-from nvtrain.hooks import StageTimingHook, TrainableParameterHook
+from nvtrain.hooks import EarlyStoppingHook, StageTimingHook, TrainableParameterHook
 from nvtrain.logging_hooks import CSVLoggerHook, ProgressBarHook, TensorBoardHook
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +102,7 @@ def _settings_classes() -> list[type]:
         nvtrain.ValidationConfig,
         GradientAccumulationHook,
         GradientClippingHook,
+        EarlyStoppingHook,
         SpikeSkipHook,
         StageTimingHook,
         TrainableParameterHook,

@@ -13,6 +13,7 @@ from typing import Any
 # BEGIN BUILTINS
 from nvtrain.hooks.accumulation import GradientAccumulationHook
 from nvtrain.hooks.clipping import GradientClippingHook
+from nvtrain.hooks.early_stopping import EarlyStoppingHook
 from nvtrain.hooks.finetune import ModulePatchHook, TrainableParameterHook
 from nvtrain.hooks.spike_skip import SpikeSkipHook
 from nvtrain.hooks.timing import StageTimingHook
@@ -20,6 +21,7 @@ from nvtrain.logging_hooks import CSVLoggerHook, ProgressBarHook, TensorBoardHoo
 
 __all__: list[str] = [
     "CSVLoggerHook",
+    "EarlyStoppingHook",
     "GradientAccumulationHook",
     "GradientClippingHook",
     "ProgressBarHook",
