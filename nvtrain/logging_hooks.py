@@ -20,6 +20,7 @@ import csv
 import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -163,7 +164,7 @@ class StepLogReader:
                 tensors.append(value.detach().reshape(()).to(device=device, dtype=torch.float32))
         values = torch.stack(tensors).tolist() if tensors else []  # the logging step's one host sync
         now = time.perf_counter()
-        record: dict[str, float] = {"step": ctx.step_count, "epoch": ctx.epoch}
+        record: dict[str, float] = {"step": ctx.step_count, "epoch": ctx.epoch + 1}  # 1-based for people
         record.update(zip(names, values, strict=True))
         if "train_loss" in record and self._steps:
             record["train_loss_avg"] = self._average(record["train_loss"], self._steps)
@@ -198,9 +199,10 @@ class StepLogReader:
         summary = ctx.validation or {}
         names = [n for n, v in summary.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
         tensors = [summary[n].detach().reshape(()).float().cpu() for n in names]
-        record: dict[str, float] = {"step": ctx.step_count, "epoch": ctx.epoch}
+        record: dict[str, float] = {"step": ctx.step_count, "epoch": ctx.epoch + 1}  # 1-based for people
         values = torch.stack(tensors).tolist() if tensors else []  # the one host transfer of a validation
-        record.update(zip((f"val_{n}" for n in names), values, strict=True))
+        prefix = "val_ema_" if _validated_ema(ctx) else "val_"  # say which weights the numbers describe
+        record.update(zip((f"{prefix}{n}" for n in names), values, strict=True))
         # Validation time is not training time: the next window starts now.
         self._clock, self._samples, self._steps = time.perf_counter(), 0, 0
         return record
@@ -245,6 +247,8 @@ class ProgressBarHook:
     stream: TextIO | None = None
     #: Force the bar (True) or log lines (False); None: a bar only on a terminal.
     use_bar: bool | None = None
+    #: Width of the bar in columns; None follows the terminal (resizes included).
+    ncols: int | None = None
     priority: int = LOGGING_PRIORITY
 
     _reader: StepLogReader = attrs.field(init=False)
@@ -277,7 +281,7 @@ class ProgressBarHook:
             self._started = True
             self._open_bar(ctx)
         if self._bar is not None:
-            self._bar.set_description(f"epoch {ctx.epoch}", refresh=False)
+            self._bar.set_description(_epoch_label(ctx), refresh=False)
 
     def _open_bar(self, ctx: TrainingContext) -> None:
         self._out = self.stream if self.stream is not None else sys.stderr
@@ -295,8 +299,11 @@ class ProgressBarHook:
             unit="step",
             file=self._out,
             mininterval=self.refresh_interval,
-            dynamic_ncols=True,
+            dynamic_ncols=self.ncols is None,
+            ncols=self.ncols,
             leave=True,
+            # No it/s rate (samples/s is in the postfix) and a short postfix: the bar keeps its width at 80 columns.
+            bar_format=_BAR_FORMAT if self._total is not None else None,
         )
 
     @hookimpl
@@ -316,7 +323,7 @@ class ProgressBarHook:
                 self._postfix["loss"] = f"{smoothed:.4g}"
             if "samples_per_s" in record:
                 self._postfix["samples/s"] = f"{record['samples_per_s']:.0f}"
-            self._bar.set_postfix(self._postfix, refresh=False)
+            self._bar.set_postfix_str(self._postfix_text(), refresh=False)
         else:
             self._line(ctx, record, smoothed=smoothed)
 
@@ -331,7 +338,7 @@ class ProgressBarHook:
             for key, value in record.items():
                 if key.startswith("val_"):
                     self._postfix[key] = f"{value:.4g}"
-            self._bar.set_postfix(self._postfix, refresh=True)
+            self._bar.set_postfix_str(self._postfix_text(), refresh=True)
         else:
             self._line(ctx, record, smoothed=None)
 
@@ -341,7 +348,7 @@ class ProgressBarHook:
 
     def _line(self, ctx: TrainingContext, record: dict[str, float], smoothed: float | None) -> None:
         total = f"/{self._total}" if self._total is not None else ""
-        parts = [f"epoch {ctx.epoch}", f"step {ctx.step_count}{total}"]
+        parts = [_epoch_label(ctx), f"step {ctx.step_count}{total}"]
         if smoothed is not None:
             parts.append(f"loss {smoothed:.4g}")
         for key, value in record.items():
@@ -351,11 +358,63 @@ class ProgressBarHook:
         assert self._out is not None
         print("  ".join(parts), file=self._out, flush=True)
 
+    def _postfix_text(self) -> str:
+        """As many postfix entries as fit beside a bar of at least 10 characters."""
+        width = self.ncols
+        if width is None and self._bar is not None:
+            width = getattr(self._bar, "ncols", None)
+        if width is None:
+            width = shutil.get_terminal_size((80, 24)).columns
+        budget = max(0, width - _BAR_FIXED - len(_epoch_label_text(self._bar)) - _BAR_MIN)
+        text = ""
+        for item in _postfix_items(self._postfix):
+            candidate = f"{text} {item}" if text else item
+            if len(candidate) > budget:
+                break
+            text = candidate
+        return text
+
     def close(self) -> None:
         """Finish the bar (idempotent)."""
         bar, self._bar = self._bar, None
         if bar is not None:
             bar.close()
+
+
+_BAR_FORMAT = "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}"
+#: Columns the bar's fixed parts take with a 4-digit step count; the rest is shared by bar and postfix.
+_BAR_FIXED = 34
+_BAR_MIN = 8
+
+
+def _epoch_label(ctx: TrainingContext) -> str:
+    """``epoch 3/15``: 1-based, like every epoch a person reads (``ctx.epoch`` is the 0-based index)."""
+    scheduler = ctx.scheduler
+    total = getattr(scheduler, "num_epochs", None) if scheduler is not None else None
+    return f"epoch {ctx.epoch + 1}" + (f"/{total}" if isinstance(total, int) else "")
+
+
+def _validated_ema(ctx: TrainingContext) -> bool:
+    """Whether the strategy validates the EMA weights (``ValidationConfig.use_ema``)."""
+    validation = getattr(ctx.strategy, "validation", None)
+    return bool(getattr(validation, "use_ema", False))
+
+
+def _postfix_items(postfix: Mapping[str, str]) -> list[str]:
+    """The bar's postfix entries, most useful first; names shortened (``val_accuracy`` -> ``val_acc``)."""
+    order = sorted(postfix, key=lambda key: (key == "samples/s", key.endswith("_loss"), not key.startswith("loss")))
+    short = {"accuracy": "acc"}
+    items = []
+    for key in order:
+        name = key
+        for long, brief in short.items():
+            name = name.replace(long, brief)
+        items.append(f"{name} {postfix[key]}")
+    return items
+
+
+def _epoch_label_text(bar: Any) -> str:
+    return str(getattr(bar, "desc", "") or "")
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -63,8 +63,8 @@ def _number(text: str | None) -> float | None:
 
 def _panels(series: Mapping[str, object]) -> list[tuple[str, list[str]]]:
     """Which columns share an axis: losses, validation metrics, learning rates, other metrics."""
-    losses = [k for k in ("train_loss", "val_loss") if k in series]
-    val_metrics = sorted(k for k in series if k.startswith("val_") and k != "val_loss")
+    losses = [k for k in ("train_loss", "train_loss_avg", "val_loss", "val_ema_loss") if k in series]
+    val_metrics = sorted(k for k in series if k.startswith("val_") and k not in losses)
     rates = sorted(k for k in series if k == "lr" or k.startswith("lr/"))
     skip = {*losses, *val_metrics, *rates, "step_time", "samples_per_s"}
     others = sorted(k for k in series if k not in skip)
@@ -111,7 +111,8 @@ def _draw(axis: object, name: str, keys: Sequence[str], series: Series) -> None:
     for key in keys:
         steps, values = series[key]
         marker = "o" if key.startswith("val_") or len(steps) < 30 else None
-        axis.plot(steps, values, label=key, marker=marker, markersize=3)  # type: ignore[attr-defined]
+        label = f"{key} (EMA weights)" if key.startswith("val_ema_") else key  # validation of the averaged model
+        axis.plot(steps, values, label=label, marker=marker, markersize=3)  # type: ignore[attr-defined]
     if name == "loss" and all(v > 0 for key in keys for v in series[key][1]):
         axis.set_yscale("log")  # type: ignore[attr-defined]
     if name == "learning rate":

@@ -372,3 +372,21 @@ def test_an_explicit_corrupt_checkpoint_is_one_line_exit_2(job: Path, capsys: py
     assert err.startswith("nvtrain train: error: --set hooks.0.resume=") and err.count("\n") == 1
     assert "cannot resume: " in err and "does not match the sha256 in its manifest" in err
     assert not (job.parent / "out" / "other").exists()
+
+
+# -- 7. what the numbers describe --------------------------------------------------------------------
+
+
+def test_validation_of_ema_weights_is_named_and_epochs_are_1_based(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = sets(
+        "hooks=[{name: ema, decay: 0.9}]", "validation={every_n_steps: 4, metrics: [accuracy]}", "trainer.max_steps=30"
+    )
+    assert main(["train", str(job), *overrides]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "| epoch 2 |" in out and "val_ema_accuracy " in out  # 23 steps an epoch: step 30 is in the 2nd
+    metrics = rows(job.parent / "out" / "job" / "metrics.csv")
+    validated = [row for row in metrics if row.get("val_ema_loss")]
+    assert validated and all(row["val_ema_accuracy"] and not row["val_loss"] for row in validated)
+    assert {row["epoch"] for row in metrics} == {"1", "2"}

@@ -65,7 +65,7 @@ def test_default_train_end_to_end(tmp_path: Path) -> None:
     train_rows = [r for r in metrics if r["train_loss"]]
     assert [int(r["step"]) for r in train_rows] == list(range(10, 61, 10))
     assert float(train_rows[-1]["train_loss"]) < float(train_rows[0]["train_loss"])
-    accuracy = [float(r["val_accuracy"]) for r in metrics if r["val_accuracy"]]
+    accuracy = [float(r["val_ema_accuracy"]) for r in metrics if r.get("val_ema_accuracy")]  # EMA weights
     assert len(accuracy) == 3 and accuracy[-1] > 0.2  # chance is 0.1
     assert out.startswith(f"run {run} | step 60 | ")
     assert "Traceback" not in err

@@ -108,7 +108,7 @@ def test_csv_rows_on_logging_steps_hold_window_means(tmp_path: Path) -> None:
         assert float(row["train_loss"]) == pytest.approx(sum(window) / len(window), rel=1e-5)
         assert float(row["lr"]) == pytest.approx(0.1)
         assert float(row["step_time"]) > 0 and float(row["samples_per_s"]) > 0
-        assert row["epoch"] == "0" and row["val_loss"] == ""
+        assert row["epoch"] == "1" and row["val_loss"] == ""  # epochs people read are 1-based
 
 
 def test_loggers_read_to_host_only_on_logging_steps(tmp_path: Path, host_reads: list[str]) -> None:
@@ -188,7 +188,7 @@ def test_progress_lines_when_not_a_terminal() -> None:
         s.run(batches(4))
     lines = stream.getvalue().splitlines()
     assert [line.split("  ")[:2] for line in lines] == [
-        ["epoch 0", "step 2/4"], ["epoch 0", "step 4/4"], ["epoch 0", "step 4/4"]
+        ["epoch 1/1", "step 2/4"], ["epoch 1/1", "step 4/4"], ["epoch 1/1", "step 4/4"]
     ]
     assert lines[0].split("  ")[2].startswith("loss ") and "samples_per_s" in lines[0]
     assert "val_loss" in lines[2] and "val_accuracy" in lines[2]
@@ -200,7 +200,20 @@ def test_progress_bar_with_tqdm() -> None:
     with strategy([hook], max_steps=4) as s:
         s.run(batches(4))
     text = stream.getvalue()
-    assert "epoch 0" in text and "4/4" in text and "loss=" in text
+    assert "epoch 1/1" in text and "4/4" in text and "loss " in text
+
+
+def test_progress_bar_stays_readable_at_80_columns() -> None:
+    stream = io.StringIO()
+    hook = ProgressBarHook(log_every_n_steps=1, stream=stream, use_bar=True, refresh_interval=1e-9, ncols=80)
+    with strategy([hook], max_steps=200, data=batches(1, seed=3)) as s:
+        s.run(batches(200))
+    frames = [frame for frame in stream.getvalue().replace("\n", "\r").split("\r") if frame.strip()]
+    last = frames[-1]
+    assert all(len(frame) <= 80 for frame in frames), max(frames, key=len)
+    bar = last.split("|")[1]
+    assert len(bar) >= 8, last  # the bar itself keeps its width
+    assert "epoch 1/1" in last and "200/200" in last and "loss " in last and "val_acc" in last
 
 
 def test_progress_is_silent_off_rank_zero() -> None:
