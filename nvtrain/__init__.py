@@ -7,6 +7,7 @@ from nvtrain.context import TrainingContext
 from nvtrain.distributed import DistributedManager
 from nvtrain.hook import PRIORITY_FIRST, PRIORITY_LAST, CheckpointableHook, Hook, TrainingUpdateHook
 from nvtrain.hookspecs import hookimpl, hookspec
+from nvtrain.lr_schedule import LRSchedule
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.stages import TrainingStage
 from nvtrain.stash import Stash, StashKey
@@ -21,6 +22,7 @@ __all__ = [
     "DistributedManager",
     "Hook",
     "HookBus",
+    "LRSchedule",
     "RunResult",
     "Stash",
     "StashKey",

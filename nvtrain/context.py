@@ -61,10 +61,27 @@ class TrainingContext:
     validation: dict[str, Any] | None = None
     #: True once a preemption signal ended the run.
     preempted: bool = False
+    #: Why the run ended early (a stop request or preemption), set before AFTER_TRAINING; None otherwise.
+    stop_reason: str | None = None
     #: The step scheduler driving the current run, if any.
     scheduler: Any = None
     #: Typed per-plugin storage: ``ctx.stash[KEY]`` with ``KEY = StashKey[T]()``.
     stash: Stash = attrs.field(factory=Stash)
+
+    def request_stop(self, reason: str) -> None:
+        """End the run at the next step boundary, from any hook (observer or update hook) on any rank.
+
+        The current step finishes (AFTER_OPTIMIZER_STEP, AFTER_BATCH, its checkpoint);
+        it is the last step (``is_last_step``), then AFTER_EPOCH and AFTER_TRAINING fire
+        and ``run()`` returns with ``stop_reason`` set. Asked during validation, the run
+        ends right after it. Under torch.distributed every rank stops at the same step.
+        """
+        scheduler = self.scheduler
+        if scheduler is None:
+            raise RuntimeError(
+                f"ctx.request_stop({reason!r}): no run is in progress; call it from a hook during TrainingStrategy.run()"
+            )
+        scheduler.request_stop(reason)
 
     def __repr__(self) -> str:
         stage = self.stage.name if self.stage is not None else None

@@ -75,24 +75,21 @@ def _batch_size(batch: Any) -> int:
 def estimate_total_steps(ctx: TrainingContext) -> int | None:
     """Optimizer steps the current run will reach (absolute), or None when unknown.
 
-    Reads the step scheduler when the run has one, else the strategy's
-    ``max_steps`` / ``num_epochs`` and ``len(ctx.train_loader)``.
+    The step scheduler's ``total_steps`` (the one owner of the run length) when the
+    run has one, else the strategy's ``max_steps`` / ``num_epochs`` and ``len(ctx.train_loader)``.
     """
     scheduler = ctx.scheduler
     if scheduler is not None:
-        max_steps = getattr(scheduler, "max_steps", None)
-        num_epochs = getattr(scheduler, "num_epochs", None)
-        epoch_len = getattr(scheduler, "epoch_len", None)
-    else:
-        strategy = ctx.strategy
-        max_steps = getattr(strategy, "max_steps", None)
-        num_epochs = getattr(strategy, "num_epochs", None)
-        if num_epochs is None and max_steps is None:
-            num_epochs = 1
-        try:
-            epoch_len = len(ctx.train_loader)
-        except TypeError:
-            epoch_len = None
+        return scheduler.total_steps  # type: ignore[no-any-return]
+    strategy = ctx.strategy
+    max_steps = getattr(strategy, "max_steps", None)
+    num_epochs = getattr(strategy, "num_epochs", None)
+    if num_epochs is None and max_steps is None:
+        num_epochs = 1
+    try:
+        epoch_len: int | None = len(ctx.train_loader)
+    except (TypeError, NotImplementedError):
+        epoch_len = None
     by_epochs = num_epochs * epoch_len if num_epochs is not None and epoch_len is not None else None
     candidates = [n for n in (max_steps, by_epochs) if n is not None]
     return min(candidates) if candidates else None

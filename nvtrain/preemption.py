@@ -101,6 +101,11 @@ class PreemptionWatcher:
         self.received_signal: int | None = None
         #: The answer of the latest :meth:`poll` (reading it never runs a collective).
         self.preempted = False
+        #: Why this rank asked the run to stop (:meth:`request_stop`), or None.
+        self.requested_stop: str | None = None
+        #: The agreed stop request of the latest :meth:`poll`: this rank's reason, or a note that
+        #: another rank asked; None while no rank asked.
+        self.stop_reason: str | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._flag: torch.Tensor | None = None
         self._multi_rank: bool | None = None
@@ -166,37 +171,66 @@ class PreemptionWatcher:
 
     # -- the answer -----------------------------------------------------------------------
 
+    def request_stop(self, reason: str) -> None:
+        """Ask the job to stop (the first reason on this rank is kept).
 
-    def poll(self) -> bool:
-        """Did any rank receive a preemption signal? One ``all_reduce`` when the job has several ranks.
-
-        Every rank must call this at the same points of the run. With no signals
-        configured it is a constant ``False`` and runs nothing.
+        A single process needs no agreement: the request holds at once. Several ranks
+        agree on it at the next :meth:`poll`.
         """
-        if self.preempted or not self.signals:
-            return self.preempted
-        local = self.received_signal is not None
-        group = self.process_group
+        if self.requested_stop is None:
+            self.requested_stop = reason
+        if self.stop_reason is None and not self._is_multi_rank():
+            self.stop_reason = reason
+
+    def _is_multi_rank(self) -> bool:
         multi_rank = self._multi_rank
         if multi_rank is None:  # decided once per installation: the job's ranks do not change mid-run
+            group = self.process_group
             multi_rank = self._multi_rank = (
                 dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
             )
-        if multi_rank:
+        return multi_rank
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the latest :meth:`poll` agreed to end the run (a signal or a stop request)."""
+        return self.preempted or self.stop_reason is not None
+
+    def poll(self) -> bool:
+        """Should the run stop here? One ``all_reduce`` when the job has several ranks.
+
+        The answer covers both a preemption signal on any rank (:attr:`preempted`) and a
+        stop request on any rank (:attr:`stop_reason`), in the same collective. Every rank
+        must call this at the same points of the run. A single process runs no collective;
+        several run one per call, also with no signals configured (a stop request must be
+        agreed on). Returns :attr:`stopping`.
+        """
+        if self.stopping:
+            return True
+        local_signal = self.received_signal is not None
+        local_stop = self.requested_stop is not None
+        group = self.process_group
+        if self._is_multi_rank():
             flag = self._flag
             if flag is None:
-                flag = self._flag = torch.zeros(1, dtype=torch.int32, device=collective_device(group))
-            flag.fill_(1 if local else 0)
+                flag = self._flag = torch.zeros(2, dtype=torch.int32, device=collective_device(group))
+            flag[0], flag[1] = int(local_signal), int(local_stop)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            agreed = bool(flag.item())  # the one host sync of a step boundary, documented in step-scheduler.md
+            agreed, stop = (bool(v) for v in flag.tolist())  # the one host sync of a step boundary
         else:
-            agreed = local
-        if agreed and _is_rank_zero():
+            agreed, stop = local_signal, local_stop
+        if stop:
+            self.stop_reason = self.requested_stop or "another rank requested a stop"
+            if _is_rank_zero():
+                logger.warning("stop requested (%s): stopping at this step", self.stop_reason)
+        if not agreed:
+            return self.stopping
+        if _is_rank_zero():
             received = self.received_signal
             source = signal.Signals(received).name if received is not None else "another rank"
             logger.warning("preemption signal received (%s): stopping at this step", source)
         self.preempted = agreed
-        return agreed
+        return True
 
 
 def _is_rank_zero() -> bool:

@@ -70,7 +70,7 @@ def _val_cadences(owner: str, value: int | Sequence[int] | None) -> tuple[int, .
 def _loader_len(loader: Any) -> int | None:
     try:
         return len(loader)
-    except TypeError:  # no __len__, or a DataLoader over an IterableDataset without one
+    except (TypeError, NotImplementedError):  # no __len__, or one that refuses (an IterableDataset's loader)
         return None
 
 
@@ -218,7 +218,8 @@ class StepScheduler:
         self.synchronized_stream = bool(synchronized_stream)
         self.process_group = process_group
         self.max_steps = max_steps
-        self.num_epochs: int | None = num_epochs if num_epochs is not None or max_steps is not None else 1
+        #: The epoch bound training stops at (None: only ``max_steps`` bounds the run).
+        self.epoch_limit: int | None = num_epochs if num_epochs is not None or max_steps is not None else 1
         self._loader_len = _loader_len(dataloader) if dataloader is not None else None
         if self._loader_len == 0:
             raise ValueError(f"{owner}: the dataloader is empty (len() == 0)")
@@ -237,6 +238,10 @@ class StepScheduler:
         self._pulled = 0  # micro-batches taken from the live iterator, the pending one excluded
         self._epoch_items: int | None = None
         self._replay: tuple[list[Any], bool] | None = None  # a window left open by a ``break``
+        #: True when every window will be closed by finish_step() (TrainingStrategy sets it); False:
+        #: a loop that never calls it, as in the seed, has each window closed by the next request.
+        self.finish_step_required = False
+        self._provisional = False  # the open window was counted as a step when yielded (no finish_step yet)
         self._window: list[Any] | None = None
         self._window_is_last = False
         self._open = False
@@ -255,6 +260,34 @@ class StepScheduler:
         return math.ceil(self._loader_len / self.grad_acc_steps)
 
     @property
+    def num_epochs(self) -> int | None:
+        """The epochs the run covers: the configured number, else derived from ``max_steps``.
+
+        As the seed's ``_calculate_num_epochs``: ``max_steps=15`` over 10 steps per epoch
+        reads 2. None when neither bounds it (an unsized loader with only ``max_steps``).
+        Skipped steps do not count toward ``max_steps``, so a run with skips may train
+        into a further epoch: the stop is ``max_steps``, not this number.
+        """
+        if self.epoch_limit is not None:
+            return self.epoch_limit
+        epoch_len = self.epoch_len
+        if self.max_steps is None or not epoch_len:
+            return None
+        return math.ceil(self.max_steps / epoch_len)
+
+    @property
+    def total_steps(self) -> int | None:
+        """The optimizer steps the whole run will reach (absolute), or None when unknown.
+
+        The one owner of the run length: ``max_steps`` when it comes first, else
+        ``num_epochs * epoch_len``. Progress bars, LR schedule horizons and the CLI read it.
+        """
+        epoch_len = self.epoch_len
+        by_epochs = self.num_epochs * epoch_len if self.num_epochs is not None and epoch_len is not None else None
+        candidates = [n for n in (self.max_steps, by_epochs) if n is not None]
+        return min(candidates) if candidates else None
+
+    @property
     def epochs(self) -> Iterator[int]:
         """The epochs still to train, starting with the current one (resumes included).
 
@@ -270,7 +303,7 @@ class StepScheduler:
             self._watcher.install()
         try:
             first = True
-            while not self._training_done() and not self._watcher.preempted:
+            while not self._training_done() and not self._watcher.stopping:
                 if not first and self._watcher.poll():
                     return
                 first = False
@@ -283,7 +316,7 @@ class StepScheduler:
     def _training_done(self) -> bool:
         if self.max_steps is not None and self.step >= self.max_steps:
             return True
-        if self.num_epochs is not None and self.epoch >= self.num_epochs:
+        if self.epoch_limit is not None and self.epoch >= self.epoch_limit:
             return True
         return self.stream_exhausted
 
@@ -303,7 +336,7 @@ class StepScheduler:
         self._iterating = True
         watcher = self._watcher
         try:
-            while not watcher.preempted and not self._training_done():
+            while not watcher.stopping and not self._training_done():
                 self._check_divergence()
                 if self._replay is not None:
                     window, is_last = self._replay
@@ -315,15 +348,20 @@ class StepScheduler:
                     return
                 self._window, self._window_is_last = window, is_last
                 self._open, self._boundary = True, None
+                if not self.finish_step_required:
+                    self._count_provisionally()
                 try:
                     yield window
                 except GeneratorExit:
                     if self._open:  # the loop broke before finish_step(): yield this window again next time
+                        self._revert_provisional()
                         self._replay, self._open = (window, is_last), False
                     elif self._epoch_done:
                         self._advance_epoch()
                     raise
-                if self._open:
+                if self._open and self._provisional:  # the seed's loop: asking for the next window closes this one
+                    self._close(stepped=True)
+                elif self._open:
                     self._open = False
                     self._replay = (window, is_last)
                     raise RuntimeError(
@@ -346,19 +384,43 @@ class StepScheduler:
         """
         if not self._open or self._window is None:
             raise RuntimeError("StepScheduler.finish_step(): no open window (called twice, or outside the loop)")
-        self._open = False
+        self._revert_provisional()
+        self.finish_step_required = True  # a loop that calls it once calls it for every window
         if stepped:
             self.step += 1
+        return self._close(stepped)
+
+    def _count_provisionally(self) -> None:
+        """Seed semantics while a window is open: it counts as a step, and the predicates describe it."""
+        self.step += 1
+        self._provisional = True
+        self._boundary = _BOUNDARIES[True, self._window_is_last, self._reaches_the_end()]
+
+    def _revert_provisional(self) -> None:
+        if self._provisional:
+            self._provisional = False
+            self.step -= 1
+            self._boundary = None
+
+    def _reaches_the_end(self) -> bool:
+        """Whether the window just counted ends the run (step budget, or the last epoch's last window)."""
+        return (self.max_steps is not None and self.step >= self.max_steps) or (
+            self._window_is_last
+            and (self.synchronized_stream or (self.epoch_limit is not None and self.epoch + 1 >= self.epoch_limit))
+        )
+
+    def _close(self, stepped: bool) -> bool:
+        """The step boundary: record the window's data as consumed and poll preemption once."""
+        self._provisional = False
+        self._open = False
         self._count_skips(stepped)
         self._position = self._pulled
         self._epoch_done = self._window_is_last
         if self._window_is_last and self.synchronized_stream:
             self.stream_exhausted = True  # a synchronized stream is read once: its end is the end of training
         self._watcher.poll()
-        last = (self.max_steps is not None and self.step >= self.max_steps) or (
-            self._window_is_last
-            and (self.synchronized_stream or (self.num_epochs is not None and self.epoch + 1 >= self.num_epochs))
-        )
+        stop_agreed = self._watcher.stop_reason is not None  # a stop request makes this the last step
+        last = stop_agreed or self._reaches_the_end()
         self._boundary = _BOUNDARIES[stepped, self._window_is_last, bool(last)]
         return self._watcher.preempted
 
@@ -389,11 +451,38 @@ class StepScheduler:
         )
 
     def poll_preemption(self) -> bool:
-        """Poll preemption outside a step boundary (after validation, at an epoch end); one collective.
+        """Poll preemption and stop requests outside a step boundary (after validation); one collective.
 
-        All ranks must call it at the same points. Returns :attr:`sigterm_received`.
+        All ranks must call it at the same points. Returns whether the run stops here
+        (:attr:`sigterm_received` or :attr:`stop_reason`).
         """
         return self._watcher.poll()
+
+    def request_stop(self, reason: str) -> None:
+        """End the run at the next step boundary (or the next poll); any rank may ask.
+
+        The request is agreed in the collective the boundary already makes, so every
+        rank stops at the same step. That step is the last: ``is_last_step`` and
+        ``is_ckpt_step`` are true for it.
+        """
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"request_stop(reason): give a non-empty reason string (got {reason!r})")
+        self._watcher.request_stop(reason)
+        boundary = self._boundary
+        if boundary is not None and not self._open and self._watcher.stop_reason is not None:
+            # asked after this step's boundary (AFTER_OPTIMIZER_STEP, AFTER_BATCH, validation) in a
+            # single process: this step is the last one
+            self._boundary = _BOUNDARIES[boundary.stepped, boundary.epoch_end, True]
+
+    @property
+    def received_signal(self) -> int | None:
+        """The preemption signal this rank caught, or None."""
+        return self._watcher.received_signal
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The agreed stop request (this rank's reason, or a note that another rank asked); None if none."""
+        return self._watcher.stop_reason
 
     def _advance_epoch(self) -> None:
         self.epoch += 1
@@ -639,8 +728,12 @@ class StepScheduler:
         Correct whenever it is called: a window counts once ``finish_step()`` closed
         it; after an epoch's last window the state points at the next epoch.
         """
-        if self._epoch_done and not self._open:
+        closed = not self._open or self._provisional  # the seed's loop: the open window already counts
+        epoch_done = self._window_is_last if self._provisional else self._epoch_done
+        if epoch_done and closed:
             epoch, position, rng = self.epoch + 1, 0, None
+        elif self._provisional:
+            epoch, position, rng = self.epoch, self._pulled, self._epoch_rng
         else:
             epoch, position, rng = self.epoch, self._position, self._epoch_rng
         return {
@@ -658,6 +751,8 @@ class StepScheduler:
         """Continue from ``state`` (from :meth:`state_dict`); refuses a different batch / data configuration."""
         if self._iterating or self._open:
             raise RuntimeError("StepScheduler.load_state_dict(): cannot load while iterating; load before the loop")
+        if set(state) <= {"step", "epoch"} and {"step", "epoch"} <= set(state):
+            state = self._seed_state(state)
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:
             raise ValueError(f"StepScheduler.load_state_dict: the state lacks {missing} (keys: {sorted(state)})")
@@ -685,6 +780,10 @@ class StepScheduler:
             None,
         )
         self._drop_iterator()
+
+    def _seed_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The seed's ``{"step", "epoch"}``: the start of that epoch's data, counters at ``step``."""
+        return {"step": state["step"], "epoch": state["epoch"], "position": 0, "config": self._config()}
 
     def __repr__(self) -> str:
         return (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
 from nvtrain.hook import Hook, TrainingUpdateHook, hook_label
 from nvtrain.hookspecs import PROJECT_NAME
+from nvtrain.lr_schedule import LRSchedule, ScheduledLR, plan_schedules
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.stages import TrainingStage
 from nvtrain.step_scheduler import StepScheduler, StepSchedulerConfig
@@ -46,6 +48,9 @@ class RunResult:
     epoch: int
     preempted: bool
     validation: dict[str, Any] | None
+    #: Why the run ended early: a hook's ``ctx.request_stop(reason)``, or the preemption signal
+    #: (``"preempted by SIGTERM"``); None when it ran to its end.
+    stop_reason: str | None = None
 
 
 # -- field converters and validators ------------------------------------------------
@@ -91,6 +96,14 @@ def _as_factories(field_name: str) -> Callable[[Any], dict[str, Callable[..., An
     return convert
 
 
+def _as_schedules(value: Any) -> dict[str, LRSchedule]:
+    """Factories (or LRSchedules) by optimizer name; a bare one means ``"main"``."""
+    if isinstance(value, LRSchedule):
+        value = {"main": value}
+    factories = _as_factories("lr_schedulers")(value)
+    return {name: f if isinstance(f, LRSchedule) else LRSchedule(f) for name, f in factories.items()}
+
+
 def _as_device(value: Any) -> torch.device | None:
     if value is None:
         return None  # resolved in __attrs_post_init__: the distributed manager's device, else cuda/cpu
@@ -132,7 +145,9 @@ class TrainingStrategy:
 
     ``optimizers`` maps a model name to a factory of its trainable parameters (a bare
     factory means ``"main"``); they are built after SETUP so wrapped models are used.
-    ``lr_schedulers`` maps the same names to factories of the optimizer. With batches
+    ``lr_schedulers`` maps the same names to factories of the optimizer, each stepped after
+    every real optimizer step, or an :class:`~nvtrain.LRSchedule` saying otherwise (per
+    epoch, or by a validation metric; a ReduceLROnPlateau is metric-driven). With batches
     of ``(inputs, targets)`` the forward is ``model(inputs)`` and the loss
     ``loss_fn(outputs, targets)``; any other batch needs ``forward_fn(ctx) -> outputs``
     (the loss then sees ``loss_fn(outputs, batch)``).
@@ -144,9 +159,7 @@ class TrainingStrategy:
     models: dict[str, torch.nn.Module] = attrs.field(converter=_as_models)
     optimizers: dict[str, OptimizerFactory] = attrs.field(converter=_as_factories("optimizers"))
     loss_fn: Callable[[Any, Any], torch.Tensor] = attrs.field()
-    lr_schedulers: dict[str, SchedulerFactory] = attrs.field(
-        factory=dict, converter=_as_factories("lr_schedulers")
-    )
+    lr_schedulers: dict[str, LRSchedule] = attrs.field(factory=dict, converter=_as_schedules)
     forward_fn: Callable[[TrainingContext], Any] | None = None
     hooks: Sequence[object] = attrs.field(factory=tuple, converter=tuple)
     device: torch.device = attrs.field(default=None, converter=_as_device)
@@ -164,6 +177,7 @@ class TrainingStrategy:
     _is_set_up: bool = attrs.field(init=False, default=False)
     _setup_loader: Any = attrs.field(init=False, default=None)
     _move_batch: Callable[[Any], Any] = attrs.field(init=False)
+    _schedules: tuple[ScheduledLR, ...] = attrs.field(init=False, default=())
 
     @loss_fn.validator
     def _check_loss_fn(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -237,7 +251,7 @@ class TrainingStrategy:
                 raise ValueError(f"update hook {hook_label(hook)} is already registered")
             new = self._orchestrator + hook  # composition errors surface before anything changes
             if self._is_set_up:
-                new.bind(self.ctx.optimizers, self.ctx.lr_schedulers)
+                new.bind(self.ctx.optimizers, self._per_step_schedulers())
             observing = _has_hookimpls(hook)
             if observing:
                 self._bus.register(hook, getattr(hook, "plugin_name", None))
@@ -311,6 +325,7 @@ class TrainingStrategy:
         scheduler = self._build_scheduler(ctx.train_loader)
         ctx.scheduler = scheduler
         ctx.preempted = False
+        ctx.stop_reason = None
         ctx.windowed = True
         manual_gc = scheduler.gc_every_steps is not None and gc.isenabled()
         if manual_gc:  # collect on the step cadence only, as NeMo does: no gc pause inside a step
@@ -323,6 +338,7 @@ class TrainingStrategy:
                 for epoch in scheduler.epochs:
                     self._run_epoch(scheduler, epoch)
                 ctx.preempted = scheduler.sigterm_received
+                ctx.stop_reason = _stop_reason(scheduler)
                 ctx.stage = _AFTER_TRAINING
                 bus.after_training(ctx)
         finally:
@@ -336,6 +352,7 @@ class TrainingStrategy:
             epoch=ctx.epoch,
             preempted=ctx.preempted,
             validation=ctx.validation,
+            stop_reason=ctx.stop_reason,
         )
 
     def _run_epoch(self, scheduler: StepScheduler, epoch: int) -> None:
@@ -364,10 +381,15 @@ class TrainingStrategy:
             if has_validation_data and scheduler.is_val_step:
                 self._validate_in_run()
                 validated_at = ctx.step_count
-                if not scheduler.is_last_step:  # a signal that arrived during validation ends the run here
-                    ctx.preempted = scheduler.poll_preemption()
-        if not scheduler.sigterm_received and validated_at != ctx.step_count:
+                if not scheduler.is_last_step:  # a signal or stop request during validation ends the run here
+                    scheduler.poll_preemption()
+                    ctx.preempted = scheduler.sigterm_received
+        epoch_completed = scheduler.epoch > epoch
+        stopped_early = scheduler.stop_reason is not None and not epoch_completed
+        if not scheduler.sigterm_received and not stopped_early and validated_at != ctx.step_count:
             self._maybe_validate_on_epoch()
+        if epoch_completed:
+            self._step_schedules("epoch")
         ctx.stage = _AFTER_EPOCH
         bus.after_epoch(ctx)
         ctx.epoch = scheduler.epoch  # advanced only when the epoch's data was used up
@@ -402,6 +424,7 @@ class TrainingStrategy:
             process_group=getattr(self.distributed_manager, "process_group", None),
             synchronized_stream=bool(getattr(loader, "synchronized_stream", False)),
         )
+        scheduler.finish_step_required = True  # the loop closes every window itself, after DO_OPTIMIZER_STEP
         self._ensure_accumulation(scheduler, accumulation)
         previous = ctx.scheduler
         if isinstance(previous, StepScheduler) and previous.dataloader is loader:
@@ -540,9 +563,10 @@ class TrainingStrategy:
                     f"(got {type(optimizer).__name__})"
                 )
             ctx.optimizers[name] = optimizer
-        for name, factory in self.lr_schedulers.items():
-            ctx.lr_schedulers[name] = factory(ctx.optimizers[name])
-        self._orchestrator.bind(ctx.optimizers, ctx.lr_schedulers)
+        for name, schedule in self.lr_schedulers.items():
+            ctx.lr_schedulers[name] = schedule.factory(ctx.optimizers[name])
+        self._schedules = plan_schedules(self.lr_schedulers, ctx.lr_schedulers)
+        self._orchestrator.bind(ctx.optimizers, self._per_step_schedulers())
         self._is_set_up = True
 
     # -- validation -----------------------------------------------------------------------------
@@ -606,6 +630,30 @@ class TrainingStrategy:
     def _has_validation_data(self) -> bool:
         return self.validation is not None and self.validation.data is not None
 
+    def _per_step_schedulers(self) -> dict[str, list[Any]]:
+        """The schedulers the orchestrator steps after each real optimizer step, by optimizer."""
+        per_step: dict[str, list[Any]] = {}
+        for plan in self._schedules:
+            if plan.interval == "step" and plan.metric is None:
+                per_step.setdefault(plan.name, []).append(plan.scheduler)
+        return per_step
+
+    def _step_schedules(self, interval: str) -> None:
+        """Step the epoch-interval schedulers (interval ``"epoch"``) or the metric-driven ones (``"metric"``)."""
+        for plan in self._schedules:
+            if interval == "epoch" and plan.interval == "epoch" and plan.metric is None:
+                plan.scheduler.step()
+            elif interval == "metric" and plan.metric is not None:
+                summary = self.ctx.validation or {}
+                if plan.metric not in summary:
+                    raise KeyError(
+                        f"TrainingStrategy.lr_schedulers[{plan.name!r}]: {type(plan.scheduler).__name__} steps with "
+                        f"validation metric {plan.metric!r}, which the validation summary lacks "
+                        f"(it has {sorted(summary)}); set LRSchedule(monitor=...) to one of them"
+                    )
+                value = summary[plan.metric]
+                plan.scheduler.step(float(value))
+
     def _validate_in_run(self) -> None:
         """Validate without touching the training RNG streams, so a resumed run draws what a straight one does."""
         device = self.device
@@ -614,6 +662,7 @@ class TrainingStrategy:
             devices = [device.index if device.index is not None else torch.cuda.current_device()]
         with torch.random.fork_rng(devices=devices):
             self.validate()
+        self._step_schedules("metric")  # a ReduceLROnPlateau steps with this validation's metric
 
     def _maybe_validate_on_epoch(self) -> None:
         config = self.validation
@@ -694,6 +743,16 @@ class TrainingStrategy:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _stop_reason(scheduler: StepScheduler) -> str | None:
+    """Why the run stopped early: a stop request, else the preemption signal; None when it ran out."""
+    if scheduler.stop_reason is not None:
+        return scheduler.stop_reason
+    if scheduler.sigterm_received:
+        signum = scheduler.received_signal
+        return f"preempted by {signal.Signals(signum).name}" if signum is not None else "preempted (another rank)"
+    return None
 
 
 def _local_batch_size(loader: Any) -> int:

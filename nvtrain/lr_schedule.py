@@ -1,0 +1,82 @@
+"""LRSchedule: an LR scheduler factory and when the run steps what it builds.
+
+``TrainingStrategy(lr_schedulers=...)`` takes a factory per optimizer; wrapping it
+in :class:`LRSchedule` says when to step the scheduler:
+
+- ``interval="step"`` (the default): after every real optimizer step (never on an
+  accumulating, vetoed or overflowed one), by the update orchestrator;
+- ``interval="epoch"``: once at the end of every epoch whose data was used up,
+  just before AFTER_EPOCH fires (so epoch hooks and checkpoints see the new rate);
+- metric-driven (a ``ReduceLROnPlateau``, or any scheduler given ``monitor``):
+  after every validation inside ``run()``, with ``ctx.validation[monitor]``
+  (default ``"loss"``), never per optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import attrs
+import torch
+
+__all__ = ["LRSchedule", "ScheduledLR", "plan_schedules"]
+
+Interval = Literal["step", "epoch"]
+
+
+def _callable(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not callable(value):
+        raise TypeError(f"LRSchedule.factory must be callable as factory(optimizer) (got {value!r})")
+
+
+def _interval(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value not in ("step", "epoch"):
+        raise ValueError(f"LRSchedule.interval must be 'step' or 'epoch' (got {value!r})")
+
+
+def _monitor(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"LRSchedule.monitor must be a validation metric name such as 'loss' (got {value!r})")
+
+
+@attrs.frozen
+class LRSchedule:
+    """A scheduler factory ``factory(optimizer)``, stepped per ``interval`` or by a validation ``monitor``."""
+
+    factory: Callable[[torch.optim.Optimizer], Any] = attrs.field(validator=_callable)
+    interval: Interval = attrs.field(default="step", validator=_interval)
+    #: The ``ctx.validation`` key a metric-driven scheduler steps with (None: ``"loss"`` for a
+    #: ReduceLROnPlateau; any other scheduler is then not metric-driven).
+    monitor: str | None = attrs.field(default=None, validator=_monitor)
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> Any:
+        return self.factory(optimizer)
+
+
+@attrs.frozen
+class ScheduledLR:
+    """A built scheduler and how the run steps it."""
+
+    name: str
+    scheduler: Any
+    interval: Interval
+    #: The validation key for a metric-driven scheduler, else None.
+    metric: str | None
+
+
+def plan_schedules(schedules: Mapping[str, LRSchedule], built: Mapping[str, Any]) -> tuple[ScheduledLR, ...]:
+    """Pair each built scheduler with its stepping rule, refusing an impossible combination."""
+    plans = []
+    for name, schedule in schedules.items():
+        scheduler = built[name]
+        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        metric = schedule.monitor if schedule.monitor is not None else ("loss" if plateau else None)
+        if metric is not None and schedule.interval == "epoch":
+            raise ValueError(
+                f"TrainingStrategy.lr_schedulers[{name!r}]: a metric-driven scheduler "
+                f"({type(scheduler).__name__}, monitor {metric!r}) steps after each validation; "
+                "interval='epoch' does not apply (validate every epoch to step it once per epoch)"
+            )
+        plans.append(ScheduledLR(name=name, scheduler=scheduler, interval=schedule.interval, metric=metric))
+    return tuple(plans)
