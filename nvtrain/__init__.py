@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nvtrain import schedules
 from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
 from nvtrain.distributed import DistributedManager
@@ -40,4 +41,5 @@ __all__ = [
     "PRIORITY_LAST",
     "hookimpl",
     "hookspec",
+    "schedules",
 ]

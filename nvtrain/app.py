@@ -147,12 +147,15 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
     scheduler_factory: Callable[..., Any] | None = None
     fills: tuple[str, ...] = ()
     if config.lr_scheduler is not None:
+        from nvtrain.schedules import ALIASES
+
         section = config.lr_scheduler
-        scheduler_cls = resolve(section.factory, ("lr_scheduler", "factory"))
+        scheduler_cls = resolve(ALIASES.get(section.factory, section.factory), ("lr_scheduler", "factory"))
         accepted = _parameters(scheduler_cls)
         fills = tuple(name for name in ("T_max", "total_steps") if name in accepted and name not in section.kwargs)
         filled = dict(section.kwargs, **{name: 1 for name in fills})
         _check_call(loaded, scheduler_cls, ("optimizer",), filled, ("lr_scheduler",), section.factory)
+        _check_schedule(loaded, scheduler_cls)
         scheduler_factory = functools.partial(scheduler_cls, **section.kwargs)
     forward_fn = None
     if config.model.forward_fn is not None:
@@ -187,6 +190,26 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
         hooks=tuple(hooks),
         use_ema=averaging if use_ema == "auto" else bool(use_ema),
     )
+
+
+def _check_schedule(loaded: LoadedConfig, scheduler_cls: Any) -> None:
+    """Refuse what a metric-driven scheduler cannot do: follow a warmup, or step per epoch."""
+    section = loaded.config.lr_scheduler
+    assert section is not None
+    plateau = isinstance(scheduler_cls, type) and issubclass(scheduler_cls, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if not plateau and section.monitor is None:
+        return
+    what = f"{section.factory} is stepped after each validation with validation value {section.monitor or 'loss'!r}"
+    if section.warmup_steps:
+        raise loaded.error(
+            f"{what}: it cannot follow a warmup (set warmup_steps to 0, or use a step or epoch schedule)",
+            ("lr_scheduler", "warmup_steps"),
+        )
+    if section.interval == "epoch":
+        raise loaded.error(
+            f"{what}: interval 'epoch' does not apply (leave it out; validate every epoch to step it once per epoch)",
+            ("lr_scheduler", "interval"),
+        )
 
 
 def _parameters(target: Any) -> Mapping[str, inspect.Parameter]:
@@ -440,13 +463,12 @@ def build(plan: Plan, manager: Any = None) -> Built:
             f"{config.data.factory} returned an empty training loader (len() == 0): no batch to train on",
             ("data",),
         )
-    run_length = _run_length(config, train_loader, world_size)
-    if plan.scheduler_total_steps and run_length is None:
-        raise loaded.error(
-            "the run's step count is unknown (the training loader has no len()); set trainer.max_steps or give "
-            f"{' / '.join(plan.scheduler_total_steps)} in lr_scheduler.kwargs",
-            ("lr_scheduler",),
-        )
+    try:
+        run_length, run_epochs = _run_bounds(config, train_loader, world_size)
+    except ValueError as err:  # the step scheduler's own checks (global_batch_size a multiple of ...)
+        raise loaded.error(str(err), ("trainer",)) from None
+    if plan.scheduler_total_steps:
+        _check_horizon(plan, run_length, run_epochs)
     # The optimizer and scheduler factories, tried once on the model's parameters (the strategy builds
     # the real ones after SETUP, on the possibly wrapped model): their own checks run here.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -459,8 +481,8 @@ def build(plan: Plan, manager: Any = None) -> Built:
     if plan.scheduler_factory is not None:
         section = config.lr_scheduler
         assert section is not None
-        horizon = {name: max(1, run_length or 1) for name in plan.scheduler_total_steps}
-        _constructing(loaded, ("lr_scheduler",), section.factory, lambda: plan.scheduler_factory(optimizer, **horizon))
+        horizon = _horizon(plan, run_length, run_epochs)
+        _constructing(loaded, ("lr_scheduler",), section.factory, lambda: _schedule(plan, horizon)(optimizer))
         schedulers = _scheduler_factory(plan, holder, fresh)
     validation = None
     section_v = config.validation
@@ -537,8 +559,22 @@ def _length(loader: Any) -> int | None:
         return None
 
 
-def _run_length(config: RunConfig, loader: Any, world: int, *, per_rank: bool = False) -> int | None:
-    """Optimizer steps of the whole run (absolute, like ``max_steps``); None when the loader has no len().
+class _Share:
+    """A stand-in loader of ``batches`` batches: one rank's estimated share, for the step scheduler to count."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+def _run_bounds(
+    config: RunConfig, loader: Any, world: int, *, per_rank: bool = False
+) -> tuple[int | None, int | None]:
+    """The run's length in optimizer steps (absolute, like ``max_steps``) and in epochs, as the run's
+    :class:`~nvtrain.StepScheduler` counts them (``total_steps``, ``num_epochs``); None where unknown
+    (a loader without len()).
 
     ``per_rank``: ``loader`` already yields one rank's share (after SETUP, where the DDP
     plugin re-samples it); otherwise, under several ranks, the share is estimated as a
@@ -548,6 +584,7 @@ def _run_length(config: RunConfig, loader: Any, world: int, *, per_rank: bool = 
     batches = _length(loader)
     local_batch = getattr(loader, "batch_size", None)
     local = local_batch if isinstance(local_batch, int) and local_batch > 0 else 1
+    counted = loader
     if batches and world > 1 and not per_rank and not _is_distributed_sampler(getattr(loader, "sampler", None)):
         samples = _length(getattr(loader, "dataset", None))
         drop_last = bool(getattr(loader, "drop_last", False))
@@ -556,13 +593,62 @@ def _run_length(config: RunConfig, loader: Any, world: int, *, per_rank: bool = 
             batches = share // local if drop_last else math.ceil(share / local)
         else:
             batches = math.ceil(batches / world)
-    accumulation = max(1, trainer.global_batch_size // (local * world)) if trainer.global_batch_size else 1
-    epoch_len = math.ceil(batches / accumulation) if batches else None
-    num_epochs = trainer.num_epochs if trainer.num_epochs is not None or trainer.max_steps is not None else 1
-    candidates = [trainer.max_steps] if trainer.max_steps is not None else []
-    if num_epochs is not None and epoch_len is not None:
-        candidates.append(num_epochs * epoch_len)
-    return max(1, min(candidates)) if candidates else None
+        counted = _Share(batches)
+    scheduler = trainer._scheduler(
+        global_batch_size=trainer.global_batch_size or local * world,
+        local_batch_size=local,
+        dp_size=world,
+        dataloader=counted,
+        preemption_signal=None,
+        synchronized_stream=bool(getattr(loader, "synchronized_stream", False)),
+    )
+    steps = scheduler.total_steps
+    return (max(1, steps) if steps is not None else None), scheduler.num_epochs
+
+
+def _check_horizon(plan: Plan, steps: int | None, epochs: int | None) -> None:
+    """The scheduler's horizon (``T_max`` / ``total_steps`` left out) must be known and longer than the warmup."""
+    section = plan.config.lr_scheduler
+    assert section is not None
+    names = " / ".join(plan.scheduler_total_steps)
+    if section.interval == "epoch":
+        length, unit = epochs, "epochs"
+        unknown = "the run's epoch count is unknown; set trainer.num_epochs"
+    else:
+        length, unit = steps, "optimizer steps"
+        unknown = "the run's step count is unknown (the training loader has no len()); set trainer.max_steps"
+    if length is None:
+        raise plan.loaded.error(f"{unknown} or give {names} in lr_scheduler.kwargs", ("lr_scheduler",))
+    if section.warmup_steps >= length:
+        raise plan.loaded.error(
+            f"warmup_steps={section.warmup_steps} leaves no {unit} for {section.factory}: the run has {length} "
+            f"{unit}; lower warmup_steps or give {names} in lr_scheduler.kwargs",
+            ("lr_scheduler", "warmup_steps"),
+        )
+
+
+def _horizon(plan: Plan, steps: int | None, epochs: int | None) -> dict[str, int]:
+    """``T_max`` / ``total_steps`` the kwargs leave out: the run's length in the schedule's interval
+    (optimizer steps, or epochs), less the warmup."""
+    section = plan.config.lr_scheduler
+    if section is None or not plan.scheduler_total_steps:
+        return {}
+    length = epochs if section.interval == "epoch" else steps
+    return {name: max(1, (length or 1) - section.warmup_steps) for name in plan.scheduler_total_steps}
+
+
+def _schedule(plan: Plan, horizon: Mapping[str, int]) -> Any:
+    """The configured scheduler as an :class:`~nvtrain.LRSchedule`: the factory with its horizon, behind
+    a warmup when ``warmup_steps`` is set, stepped per ``interval`` or by ``monitor``."""
+    from nvtrain.lr_schedule import LRSchedule
+    from nvtrain.schedules import warmup
+
+    section = plan.config.lr_scheduler
+    assert section is not None and plan.scheduler_factory is not None
+    factory = functools.partial(plan.scheduler_factory, **horizon) if horizon else plan.scheduler_factory
+    if section.warmup_steps:
+        factory = warmup(factory, section.warmup_steps)
+    return LRSchedule(factory, interval=section.interval, monitor=section.monitor)
 
 
 def _is_distributed_sampler(sampler: Any) -> bool:
@@ -585,29 +671,29 @@ def _split_loaders(result: Any, spec: str) -> tuple[Any, Any]:
     return result, None
 
 
-def _scheduler_factory(
-    plan: Plan, holder: Mapping[str, Any], fresh: dict[str, dict[str, Any]]
-) -> Callable[[torch.optim.Optimizer], Any]:
-    """Build the LR scheduler when the strategy asks (after SETUP), with the run's step count filled in
-    from the loader the strategy holds then (re-sampled per rank under DDP).
+def _scheduler_factory(plan: Plan, holder: Mapping[str, Any], fresh: dict[str, dict[str, Any]]) -> Any:
+    """An :class:`~nvtrain.LRSchedule` that builds the LR scheduler when the strategy asks (after SETUP),
+    with the run's length filled in from the loader the strategy holds then (re-sampled per rank under DDP).
 
     The state it starts with is kept in ``fresh``: a resume that restores an older
     schedule takes the new horizon from it.
     """
-    factory = plan.scheduler_factory
-    assert factory is not None
+    from nvtrain.lr_schedule import LRSchedule
+
+    section = plan.config.lr_scheduler
+    assert section is not None and plan.scheduler_factory is not None
 
     def make(optimizer: torch.optim.Optimizer) -> Any:
-        horizon = {}
+        horizon: dict[str, int] = {}
         if plan.scheduler_total_steps:
             ctx = holder["strategy"].ctx
-            steps = _run_length(plan.config, ctx.train_loader, ctx.world_size, per_rank=True) or 1
-            horizon = {name: max(1, steps) for name in plan.scheduler_total_steps}
-        scheduler = factory(optimizer, **horizon)
+            steps, epochs = _run_bounds(plan.config, ctx.train_loader, ctx.world_size, per_rank=True)
+            horizon = _horizon(plan, steps, epochs)
+        scheduler = _schedule(plan, horizon)(optimizer)
         fresh["main"] = copy.deepcopy(scheduler.state_dict())
         return scheduler
 
-    return make
+    return LRSchedule(make, interval=section.interval, monitor=section.monitor)
 
 
 def _plan_resume(plan: Plan, built: Built, rank: int, world_size: int, fresh: Mapping[str, dict[str, Any]]) -> None:

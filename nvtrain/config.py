@@ -190,22 +190,74 @@ class OptimizerConfig:
     kwargs: dict[str, Any] = attrs.field(factory=dict, metadata=_doc("Keyword arguments, e.g. `lr`."))
 
 
+def _scheduler_factory(instance: Any, attribute: attrs.Attribute[Any], value: str) -> None:
+    from nvtrain.schedules import ALIASES
+
+    if value in ALIASES:
+        return
+    if not _IMPORT_PATH.match(value):
+        close = difflib.get_close_matches(value, list(ALIASES), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise FieldError(
+            attribute.name,
+            f"LRSchedulerConfig.factory must be a schedule name ({', '.join(ALIASES)}) or an import path "
+            f"'package.module:name' (got {value!r}){hint}",
+        )
+
+
+def _not_negative(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
+    if value < 0:
+        raise FieldError(attribute.name, f"{_owner(instance)}.{attribute.name} must be >= 0 (got {value!r})")
+
+
+def _metric_name(instance: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    if value is not None and not value.strip():
+        raise FieldError(attribute.name, f"{_owner(instance)}.{attribute.name} must be a metric name or null")
+
+
 @attrs.frozen
 class LRSchedulerConfig:
-    """An LR scheduler stepped after every real optimizer step.
+    """An LR scheduler, stepped after every real optimizer step, every epoch, or after each validation.
 
     A factory with a ``T_max`` or ``total_steps`` parameter that the kwargs leave
-    out gets the run's number of optimizer steps, so a cosine schedule follows
-    ``trainer.max_steps`` and ``trainer.num_epochs`` overrides.
+    out gets the run's length (in optimizer steps, or in epochs with ``interval:
+    epoch``) less the warmup, so a cosine schedule follows ``trainer.max_steps``
+    and ``trainer.num_epochs`` overrides.
     """
 
     factory: str = attrs.field(
-        validator=_import_path,
-        metadata=_doc("Import path of the scheduler class (called as `factory(optimizer, **kwargs)`)."),
+        validator=_scheduler_factory,
+        metadata=_doc(
+            "A schedule name (`cosine`, `linear`, `constant`, `step`, `exponential`, `onecycle`, `plateau`; "
+            "see docs/run-control.md) or the import path of a scheduler class (called as "
+            "`factory(optimizer, **kwargs)`)."
+        ),
     )
     kwargs: dict[str, Any] = attrs.field(
         factory=dict,
-        metadata=_doc("Keyword arguments; `T_max` / `total_steps`, when left out, are the run's step count."),
+        metadata=_doc(
+            "Keyword arguments; `T_max` / `total_steps`, when left out, are the run's length less `warmup_steps`."
+        ),
+    )
+    warmup_steps: int = attrs.field(
+        default=0,
+        validator=_not_negative,
+        metadata=_doc(
+            "Ramp the LR up linearly from 0.001 x lr over this many scheduler steps (epochs with `interval: "
+            "epoch`), then follow `factory` (0: no warmup)."
+        ),
+    )
+    interval: Literal["step", "epoch"] = attrs.field(
+        default="step",
+        metadata=_doc("`step`: after every real optimizer step; `epoch`: at the end of every epoch."),
+    )
+    monitor: str | None = attrs.field(
+        default=None,
+        validator=_metric_name,
+        metadata=_doc(
+            "Step after each validation with this validation value, e.g. `loss` (null: `loss` for `plateau`, "
+            "else not metric-driven)."
+        ),
     )
 
 
@@ -879,6 +931,7 @@ def _type_label(annotation: Any) -> str:
     text = re.sub(r"\b[\w.]+\.(\w+Config)\b", r"\1", text)
     text = re.sub(r"tuple\[(.+), \.\.\.\]", r"list[\1]", text)
     text = text.replace("dict[str, Any]", "mapping").replace("Literal[True, False, 'auto']", "true | false | auto")
+    text = re.sub(r"Literal\[([^\]]+)\]", lambda m: " | ".join(v.strip(" '") for v in m.group(1).split(",")), text)
     text = text.replace("list[HookConfig]", "list of hooks")
     for _, cls in SECTIONS:
         text = text.replace(cls.__name__, "section")
