@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     if not target.exists():
-        print(f"nvtrain plot: error: {target} does not exist (give a run directory, e.g. runs/digits)", file=sys.stderr)
+        print(f"nvtrain plot: error: {target}: no metrics file (no such run directory; e.g. runs/digits)", file=sys.stderr)
         return EXIT_USAGE
     csv_path = target if target.suffix == ".csv" else target / "metrics.csv"
     output = Path(args.output) if args.output else csv_path.with_name(PLOT_NAME)
