@@ -65,6 +65,10 @@ class TrainingContext:
     stop_reason: str | None = None
     #: The step scheduler driving the current run, if any.
     scheduler: Any = None
+    #: True from the step boundary on when ``run()`` validates right after this step (a step
+    #: cadence or the epoch's end): a checkpoint of the step then waits for AFTER_VALIDATION,
+    #: so it holds what validation changed (early stopping, a ReduceLROnPlateau).
+    validation_follows: bool = False
     #: Typed per-plugin storage: ``ctx.stash[KEY]`` with ``KEY = StashKey[T]()``.
     stash: Stash = attrs.field(factory=Stash)
 

@@ -516,6 +516,7 @@ class TrainingStrategy:
             ctx.global_step_count += ctx.world_size
         if boundary is not None:  # the step boundary: predicates now describe this step; preemption polled once
             ctx.preempted = boundary.finish_step(stepped=not ctx.step_skipped)
+            ctx.validation_follows = self._validation_follows(boundary)
         ctx.stage = _AFTER_OPTIMIZER_STEP
         bus.after_optimizer_step(ctx)
         ctx.stage = _AFTER_BATCH
@@ -588,6 +589,8 @@ class TrainingStrategy:
         )
         summary = loop.run(models, (self._move_batch(b) for b in loader))
         ctx.validation = summary
+        if ctx.windowed:  # inside run(): a ReduceLROnPlateau steps with this validation's metric
+            self._step_schedules("metric")
         ctx.stage = _AFTER_VALIDATION
         self._bus.after_validation(ctx)
         return summary
@@ -630,6 +633,16 @@ class TrainingStrategy:
     def _has_validation_data(self) -> bool:
         return self.validation is not None and self.validation.data is not None
 
+    def _validation_follows(self, scheduler: StepScheduler) -> bool:
+        """Whether ``run()`` validates right after the step just closed (the same test ``_run_epoch`` makes)."""
+        config = self.validation
+        if config is None or config.data is None or scheduler.sigterm_received:
+            return False
+        if scheduler.is_val_step:
+            return True
+        interval = config.epoch_interval
+        return bool(scheduler.is_last_batch and interval and (self.ctx.epoch + 1) % interval == 0)
+
     def _per_step_schedulers(self) -> dict[str, list[Any]]:
         """The schedulers the orchestrator steps after each real optimizer step, by optimizer."""
         per_step: dict[str, list[Any]] = {}
@@ -662,7 +675,7 @@ class TrainingStrategy:
             devices = [device.index if device.index is not None else torch.cuda.current_device()]
         with torch.random.fork_rng(devices=devices):
             self.validate()
-        self._step_schedules("metric")  # a ReduceLROnPlateau steps with this validation's metric
+        self.ctx.validation_follows = False
 
     def _maybe_validate_on_epoch(self) -> None:
         config = self.validation

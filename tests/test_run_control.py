@@ -277,3 +277,27 @@ def test_a_loader_whose_len_raises_not_implemented_is_unsized() -> None:
     scheduler = StepScheduler(1, 1, 1, Stream(), preemption_signal=None, max_steps=10)
     assert scheduler.epoch_len is None and scheduler.num_epochs is None
     assert [w for _ in scheduler.epochs for w in scheduler] == [[0], [1], [2]] * 3 + [[0]]
+
+
+# -- a checkpoint of a validated step holds what validation changed ------------------------------
+
+
+def test_the_default_checkpoint_waits_for_the_steps_validation(tmp_path: Path) -> None:
+    checkpoint = pytest.importorskip("nvtrain_checkpoint")
+    from nvtrain.hooks import EarlyStoppingHook
+
+    early = EarlyStoppingHook(monitor="loss", patience=10)
+    plateau = functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, patience=0, factor=0.5, threshold=0.0)
+    hook = checkpoint.CheckpointHook(tmp_path)  # the scheduler's cadence: every epoch end
+    validation = nvtrain.ValidationConfig(data=data(2, seed=1))  # every epoch
+    with make_strategy(
+        [early, hook], num_epochs=3, validation=validation, lr_schedulers=plateau,
+        optimizers=functools.partial(torch.optim.SGD, lr=0.0),
+    ) as strategy:
+        strategy.run(data(2))
+    saved = hook.read_checkpoint(tmp_path / "step_6")
+    (early_state,) = [state for key, state in saved["hooks"].items() if key.startswith("early_stopping")]
+    assert early_state["wait"] == early.wait == 2  # validations 2 and 3 did not improve: both are in the checkpoint
+    plateau_state = saved["lr_schedulers"]["main"]
+    live = strategy.ctx.lr_schedulers["main"].state_dict()
+    assert plateau_state["num_bad_epochs"] == live["num_bad_epochs"] and plateau_state["best"] == live["best"]

@@ -89,6 +89,8 @@ class CheckpointHook:
     #: async_save: the snapshot last handed to the writer; the next one copies into its buffers.
     _reusable: Any = attrs.field(init=False, default=None, repr=False)
     _last_saved: tuple[int, Path] | None = attrs.field(init=False, default=None, repr=False)
+    #: A due save deferred from AFTER_BATCH to the AFTER_VALIDATION that follows the step.
+    _after_validation_save: bool = attrs.field(init=False, default=False, repr=False)
     _root: Path | None = attrs.field(init=False, default=None, repr=False)
     #: The resume decision, made once (``resume_checkpoint``) so its warnings print once.
     _resume_choice: tuple[Any, Path | None] | None = attrs.field(init=False, default=None, repr=False)
@@ -127,6 +129,7 @@ class CheckpointHook:
         self._plugins = _active_plugins(strategy_hooks(ctx.strategy))  # type: ignore[arg-type]
         self._root = self.checkpoint_root(ctx)
         self._saved_step = ctx.step_count if ctx.step_count else None
+        self._after_validation_save = False
         if ctx.step_count != 0:
             return  # restored already (load_checkpoint) or a second run(): the in-memory state is current
         path = self._resume_path(ctx)
@@ -154,7 +157,16 @@ class CheckpointHook:
             due = self.step_interval is not None and ctx.step_count % self.step_interval == 0
         else:
             due = scheduler is not None and bool(scheduler.is_ckpt_step)
-        if due:
+        if due and ctx.validation_follows:
+            self._after_validation_save = True  # the checkpoint holds what this step's validation changes
+        elif due:
+            self._save(ctx)
+
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
+    def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
+        """Save a step whose validation followed its boundary, once every AFTER_VALIDATION hook has run."""
+        if self._after_validation_save:
+            self._after_validation_save = False
             self._save(ctx)
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
