@@ -205,12 +205,15 @@ class PreemptionWatcher:
         several run one per call, also with no signals configured (a stop request must be
         agreed on). Returns :attr:`stopping`.
         """
-        if self.stopping:
+        if self.preempted or self.stop_reason is not None:
             return True
         local_signal = self.received_signal is not None
         local_stop = self.requested_stop is not None
         group = self.process_group
-        if self._is_multi_rank():
+        multi_rank = self._multi_rank
+        if multi_rank is None:
+            multi_rank = self._is_multi_rank()
+        if multi_rank:
             flag = self._flag
             if flag is None:
                 flag = self._flag = torch.zeros(2, dtype=torch.int32, device=collective_device(group))

@@ -384,7 +384,8 @@ class StepScheduler:
         """
         if not self._open or self._window is None:
             raise RuntimeError("StepScheduler.finish_step(): no open window (called twice, or outside the loop)")
-        self._revert_provisional()
+        if self._provisional:
+            self._revert_provisional()
         self.finish_step_required = True  # a loop that calls it once calls it for every window
         if stepped:
             self.step += 1

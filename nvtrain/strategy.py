@@ -516,7 +516,7 @@ class TrainingStrategy:
             ctx.global_step_count += ctx.world_size
         if boundary is not None:  # the step boundary: predicates now describe this step; preemption polled once
             ctx.preempted = boundary.finish_step(stepped=not ctx.step_skipped)
-            ctx.validation_follows = self._validation_follows(boundary)
+            ctx.validation_follows = self.validation is not None and self._validation_follows(boundary)
         ctx.stage = _AFTER_OPTIMIZER_STEP
         bus.after_optimizer_step(ctx)
         ctx.stage = _AFTER_BATCH
