@@ -11,7 +11,23 @@
 
 from __future__ import annotations
 
-__all__ = ["ResumeError", "TrainingDivergedError"]
+import errno
+
+__all__ = ["ResumeError", "TrainingDivergedError", "disk_full"]
+
+_DISK_FULL = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
+
+
+def disk_full(err: BaseException) -> OSError | None:
+    """The out-of-space OSError (ENOSPC, EDQUOT) in ``err`` or its cause / context chain, if there is one."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_FULL:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
 
 
 class TrainingDivergedError(RuntimeError):

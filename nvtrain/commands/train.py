@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from nvtrain.errors import disk_full
+
 __all__ = ["HELP", "add_arguments", "add_config_arguments", "run"]
 
 HELP = "train from a YAML config (default: the built-in digits example)"
@@ -109,16 +111,3 @@ def error(message: str, code: int) -> int:
     return code
 
 
-def disk_full(err: BaseException) -> OSError | None:
-    """The out-of-space OSError (ENOSPC, EDQUOT) in ``err`` or its cause / context chain."""
-    import errno
-
-    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in codes:
-            return current
-        current = current.__cause__ or current.__context__
-    return None

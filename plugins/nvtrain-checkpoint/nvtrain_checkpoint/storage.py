@@ -21,7 +21,6 @@ complete.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import importlib.metadata
 import json
@@ -39,7 +38,7 @@ from typing import IO, Any, cast
 import attrs
 import torch
 
-from nvtrain.errors import ResumeError
+from nvtrain.errors import ResumeError, disk_full
 
 __all__ = [
     "FORMAT_VERSION",
@@ -128,7 +127,7 @@ def save_checkpoint(
         fsync_dir(tmp)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # the original error is what matters; never leave a half-save
-        full = _disk_full(err)
+        full = disk_full(err)
         if full is not None:  # torch.save may hide ENOSPC behind "[enforce fail at ...]": name the checkpoint
             raise OSError(full.errno, full.strerror or "No space left on device", str(root / name)) from err
         raise
@@ -138,19 +137,6 @@ def save_checkpoint(
     return final
 
 
-_DISK_FULL = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
-
-
-def _disk_full(err: BaseException) -> OSError | None:
-    """The out-of-space OSError in ``err``'s cause / context chain, if there is one."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in _DISK_FULL:
-            return current
-        current = current.__cause__ or current.__context__
-    return None
 
 
 class _DigestWriter:
@@ -280,26 +266,23 @@ def is_healthy(directory: Path) -> bool:
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
     """Complete checkpoints under ``root`` (``step_<N>`` directories with a manifest), by step."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and (entry / MANIFEST_NAME).is_file():
-            found.append(CheckpointInfo(entry, int(match.group(1))))
-    return sorted(found, key=lambda info: info.step)
+    return [info for info in _step_directories(root) if (info.path / MANIFEST_NAME).is_file()]
 
 
 def incomplete_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
     """``step_<N>`` directories under ``root`` without a manifest (damaged: never written that way), by step."""
+    return [info for info in _step_directories(root) if not (info.path / MANIFEST_NAME).is_file()]
+
+
+def _step_directories(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """Every ``step_<N>`` directory under ``root``, by step."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
         match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir() and not (entry / MANIFEST_NAME).is_file():
+        if match and entry.is_dir():
             found.append(CheckpointInfo(entry, int(match.group(1))))
     return sorted(found, key=lambda info: info.step)
 
