@@ -945,6 +945,8 @@ def _finish(
                 f"preempted: nothing was saved (no checkpoint hook), a rerun starts from step 0 "
                 f"(exit status {EXIT_PREEMPTED_UNSAVED})"
             )
+    elif result.stop_reason is not None:
+        summary.append(f"stopped early: {result.stop_reason}")
     print(" | ".join(summary), file=out, flush=True)
 
 

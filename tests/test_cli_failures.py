@@ -390,3 +390,19 @@ def test_validation_of_ema_weights_is_named_and_epochs_are_1_based(
     validated = [row for row in metrics if row.get("val_ema_loss")]
     assert validated and all(row["val_ema_accuracy"] and not row["val_loss"] for row in validated)
     assert {row["epoch"] for row in metrics} == {"1", "2"}
+
+
+# -- a run a hook stopped says so -------------------------------------------------------------------
+
+
+def test_a_run_stopped_by_early_stopping_says_why_and_exits_0(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = sets(
+        "trainer.max_steps=null",
+        "trainer.num_epochs=20",
+        "validation.every_n_epochs=1",
+        "optimizer.kwargs.lr=0",
+        "hooks=[{name: early_stopping, monitor: loss, patience: 1}]",
+    )
+    assert main(["train", str(job), *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "stopped early: early stopping" in out
