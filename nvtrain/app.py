@@ -39,6 +39,7 @@ import torch
 
 from nvtrain.config import LoadedConfig, RunConfig, resolve_import_path
 from nvtrain.errors import ResumeError
+from nvtrain.hook import AveragesWeights
 from nvtrain.hookspecs import hookimpl
 
 __all__ = [
@@ -169,7 +170,7 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
     ):
         hooks.append(_load_plugin(loaded, "ddp", {}, ("hooks",), for_what="a torchrun launch (WORLD_SIZE > 1)"))
     hooks += _logging_hooks(loaded)
-    averaging = any(callable(getattr(h, "get_averaged_model", None)) for h in hooks)
+    averaging = any(isinstance(h, AveragesWeights) for h in hooks)
     use_ema = config.validation.use_ema
     if use_ema is True and not averaging:
         raise loaded.error(

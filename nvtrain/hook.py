@@ -6,6 +6,7 @@ update and are composed by the :class:`~nvtrain.orchestrator.TrainingUpdateOrche
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_PRIORITY",
+    "AccumulatesGradients",
+    "AveragesWeights",
+    "ProvidesAutocast",
     "PRIORITY_FIRST",
     "PRIORITY_LAST",
     "CheckpointableHook",
@@ -51,6 +55,35 @@ class CheckpointableHook(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class AccumulatesGradients(Protocol):
+    """An update hook that accumulates gradients over windows of ``accumulation_steps`` micro-batches.
+
+    In ``run()`` the step scheduler builds its windows from this number and publishes
+    them on ``ctx`` (``window_size``, ``window_position``, ``sync_gradients``); at most
+    one such hook per strategy (``GradientAccumulationHook`` is one).
+    """
+
+    @property
+    def accumulation_steps(self) -> int: ...
+
+
+@runtime_checkable
+class AveragesWeights(Protocol):
+    """A hook keeping averaged weights of ``ctx.models[model_key]`` that validation can use (EMA)."""
+
+    model_key: str
+
+    def get_averaged_model(self) -> torch.nn.Module: ...
+
+
+@runtime_checkable
+class ProvidesAutocast(Protocol):
+    """A hook whose precision validation should use: ``autocast()`` returns a fresh context."""
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]: ...
 
 
 class Hook:

@@ -14,7 +14,14 @@ import torch
 from nvtrain.adapter import HookAdapter
 from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
-from nvtrain.hook import Hook, TrainingUpdateHook, hook_label
+from nvtrain.hook import (
+    AccumulatesGradients,
+    AveragesWeights,
+    Hook,
+    ProvidesAutocast,
+    TrainingUpdateHook,
+    hook_label,
+)
 from nvtrain.hookspecs import PROJECT_NAME
 from nvtrain.lr_schedule import LRSchedule, ScheduledLR, plan_schedules
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
@@ -407,7 +414,7 @@ class TrainingStrategy:
         if config.global_batch_size is not None:
             global_batch_size = config.global_batch_size
         else:
-            steps = 1 if accumulation is None else int(accumulation.steps)  # type: ignore[attr-defined]
+            steps = 1 if accumulation is None else accumulation.accumulation_steps
             global_batch_size = steps * local_batch_size * dp_size
         val_every = [config.val_every_steps, self.validation.every_n_steps if self.validation is not None else None]
         progressed = ctx.step_count > 0 or ctx.epoch > 0 or isinstance(ctx.scheduler, StepScheduler)
@@ -446,20 +453,23 @@ class TrainingStrategy:
             bounds.append(theirs if theirs is not None else mine)
         return bounds[0], bounds[1]
 
-    def _accumulation_hook(self) -> TrainingUpdateHook | None:
-        hooks = [h for h in self._orchestrator.hooks if type(h).__name__ == "GradientAccumulationHook"]
+    def _accumulation_hook(self) -> AccumulatesGradients | None:
+        hooks = [h for h in self._orchestrator.hooks if isinstance(h, AccumulatesGradients)]
+        if len(hooks) > 1:
+            names = ", ".join(hook_label(h) for h in hooks)
+            raise ValueError(f"TrainingStrategy: at most one hook may accumulate gradients, got {names}")
         return hooks[0] if hooks else None
 
-    def _ensure_accumulation(self, scheduler: StepScheduler, hook: TrainingUpdateHook | None) -> None:
+    def _ensure_accumulation(self, scheduler: StepScheduler, hook: AccumulatesGradients | None) -> None:
         """Windows of several micro-batches need the accumulation hook: check it, or register one."""
         steps = scheduler.grad_acc_steps
         if hook is not None:
-            hook_steps = getattr(hook, "steps", None)
+            hook_steps = hook.accumulation_steps
             if hook_steps != steps:
                 raise ValueError(
                     f"TrainingStrategy: step_scheduler.global_batch_size={scheduler.global_batch_size} with "
                     f"local_batch_size={scheduler.local_batch_size} and dp_size={scheduler.dp_size} means "
-                    f"grad_acc_steps={steps}, but the registered GradientAccumulationHook has steps={hook_steps}; "
+                    f"grad_acc_steps={steps}, but {hook_label(hook)} accumulates over {hook_steps}; "
                     "drop one of them or make them agree"
                 )
         elif steps > 1:
@@ -613,22 +623,22 @@ class TrainingStrategy:
     def _validation_models(self, config: ValidationConfig) -> dict[str, torch.nn.Module]:
         models = dict(self.ctx.models)
         if config.use_ema:
-            averaging = [h for h in self._all_hooks() if callable(getattr(h, "get_averaged_model", None))]
+            averaging = [h for h in self._all_hooks() if isinstance(h, AveragesWeights)]
             if not averaging:
                 raise ValueError("ValidationConfig.use_ema=True but no EMA hook is registered")
             for hook in averaging:
-                models[hook.model_key] = hook.get_averaged_model()  # type: ignore[attr-defined]
+                models[hook.model_key] = hook.get_averaged_model()
         return models
 
     def _validation_autocast(self, config: ValidationConfig) -> Callable[[], Any]:
         if config.use_mixed_precision is False:
             return contextlib.nullcontext
-        precision = [h for h in self._all_hooks() if callable(getattr(h, "autocast", None))]
+        precision = [h for h in self._all_hooks() if isinstance(h, ProvidesAutocast)]
         if not precision:
             if config.use_mixed_precision is True:
                 raise ValueError("ValidationConfig.use_mixed_precision=True but no mixed-precision hook is registered")
             return contextlib.nullcontext
-        return precision[0].autocast  # type: ignore[attr-defined,no-any-return]
+        return precision[0].autocast
 
     def _has_validation_data(self) -> bool:
         return self.validation is not None and self.validation.data is not None

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 # --- built-in hooks (core update policies and observers) -----------------------
-# BEGIN BUILTINS
 from nvtrain.hooks.accumulation import GradientAccumulationHook
 from nvtrain.hooks.clipping import GradientClippingHook
 from nvtrain.hooks.early_stopping import EarlyStoppingHook
@@ -31,14 +30,13 @@ __all__: list[str] = [
     "StageTimingHook",
     "TrainableParameterHook",
 ]
-# END BUILTINS
 
 
 # --- lazily re-exported plugin hooks --------------------------------------------
-# BEGIN PLUGIN EXPORTS
-#: Hook classes of the plugins nvtrain ships: class name -> (distribution, module).
-#: They resolve only from that distribution; a missing one raises ImportError naming it.
-#: Classes of any other installed plugin (its ``__nvtrain_hooks__``) resolve too.
+#: The plugins nvtrain ships: class name -> (distribution, module). Installed, a class
+#: resolves from that plugin's own declaration (its entry point's ``__nvtrain_hooks__``);
+#: this table only names the distribution to install when it is missing. Classes of any
+#: other installed plugin resolve from their declarations alone.
 PLUGIN_HOOK_CLASSES: dict[str, tuple[str, str]] = {
     "MixedPrecisionHook": ("nvtrain-amp", "nvtrain_amp"),
     "EMAHook": ("nvtrain-ema", "nvtrain_ema"),
@@ -58,4 +56,3 @@ def __getattr__(name: str) -> Any:
     from nvtrain.plugins._exports import resolve_hook_class
 
     return resolve_hook_class(name, PLUGIN_HOOK_CLASSES)
-# END PLUGIN EXPORTS

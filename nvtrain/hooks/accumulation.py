@@ -57,6 +57,11 @@ class GradientAccumulationHook(TrainingUpdateHook):
     steps: int = attrs.field(validator=int_at_least(1))
     priority: int = attrs.field(default=10, validator=strict_int)
 
+    @property
+    def accumulation_steps(self) -> int:
+        """The window size the step scheduler builds for this hook (:class:`nvtrain.hook.AccumulatesGradients`)."""
+        return self.steps
+
     # standalone counting: position of the next micro-batch in its window
     _position: int = attrs.field(init=False, default=0, repr=False)
 
