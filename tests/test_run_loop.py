@@ -434,3 +434,33 @@ def test_preemption_can_be_disabled(make_strategy: Any, batches: Any, fallback_h
     result = strategy.run(batches(3))
     assert (result.step_count, result.preempted) == (3, False)
     assert fallback_handlers == [signal.SIGTERM]
+
+
+def test_a_users_accumulation_hook_gets_the_schedulers_windows(make_strategy: Any, batches: Any) -> None:
+    S = nvtrain.TrainingStage
+
+    class FollowWindows(nvtrain.TrainingUpdateHook):
+        """Implements nvtrain.hook.AccumulatesGradients: the scheduler builds its windows."""
+
+        stages = frozenset({S.BEFORE_BATCH, S.DO_BACKWARD, S.DO_OPTIMIZER_STEP})
+        vetoes = frozenset({S.BEFORE_BATCH, S.DO_OPTIMIZER_STEP})
+        uses_gradients = False
+        accumulation_steps = 2
+
+        def __init__(self) -> None:
+            self.windows: list[tuple[int, int]] = []
+
+        def __call__(self, ctx: Any, stage: Any, will_skip: bool) -> tuple[bool, Any]:
+            if stage is S.BEFORE_BATCH:
+                self.windows.append((ctx.window_position, ctx.window_size))
+                return ctx.window_position == 0, None
+            if stage is S.DO_BACKWARD:
+                return True, ctx.loss / ctx.window_size
+            return ctx.sync_gradients, None
+
+    hook = FollowWindows()
+    strategy = make_strategy([hook], num_epochs=1)
+    result = strategy.run(batches(5))
+    assert hook.windows == [(0, 2), (1, 2), (0, 2), (1, 2), (0, 1)]
+    assert result.step_count == 3
+    assert strategy.update_hooks() == (hook,)  # no GradientAccumulationHook was added beside it
