@@ -41,6 +41,7 @@ __all__ = [
     "capture_state",
     "check_state",
     "checkpointable_hooks",
+    "hook_state_key",
     "find_checkpoint_reader",
     "load_state",
     "strategy_hooks",
@@ -73,12 +74,52 @@ def strategy_hooks(strategy: TrainingStrategy) -> list[object]:
     return hooks
 
 
-def checkpointable_hooks(hooks: Iterable[object]) -> dict[str, CheckpointableHook]:
-    """Checkpointable hooks by a key that survives a restart: ``<plugin_name or class>:<index>``.
+#: How :func:`capture_state` keys hook states (``state["hook_keys"]``); a state without it used
+#: ``<name>:<index>`` keys, which follow the order the hooks were registered in.
+HOOK_KEYS = "identity"
 
-    The index counts hooks with the same name in the order given, so two EMA hooks
-    become ``ema:0`` and ``ema:1``.
+
+def hook_state_key(hook: object) -> str:
+    """The key a hook's state is saved under: ``<plugin_name or class>`` plus its identity.
+
+    The identity is the hook's ``state_key`` attribute when it has a non-empty string
+    one, else the ``model_key`` it serves (``ema:main``); a hook with neither is keyed by
+    its name alone (``amp``). Registration order plays no part.
     """
+    name = getattr(hook, "plugin_name", None)
+    base = name if isinstance(name, str) and name else type(hook).__qualname__
+    for attribute in ("state_key", "model_key"):
+        identity = getattr(hook, attribute, None)
+        if isinstance(identity, str) and identity:
+            return f"{base}:{identity}"
+    return base
+
+
+def checkpointable_hooks(hooks: Iterable[object]) -> dict[str, CheckpointableHook]:
+    """Checkpointable hooks by a key that survives a restart and a reordering (:func:`hook_state_key`).
+
+    Two EMA hooks for models ``main`` and ``teacher`` become ``ema:main`` and
+    ``ema:teacher``. Two hooks that would share a key are refused with a ValueError
+    naming both: give each a distinct ``state_key`` attribute.
+    """
+    keyed: dict[str, CheckpointableHook] = {}
+    for hook in hooks:
+        if isinstance(hook, type) or not isinstance(hook, CheckpointableHook):
+            continue
+        key = hook_state_key(hook)
+        other = keyed.get(key)
+        if other is not None:
+            raise ValueError(
+                f"hooks {hook_label(other)} and {hook_label(hook)} would both save their checkpoint state under "
+                f"the key {key!r}, so a resume could not tell them apart; give each a distinct `state_key` "
+                "attribute (a string, e.g. state_key='teacher')"
+            )
+        keyed[key] = hook
+    return keyed
+
+
+def _legacy_hook_keys(hooks: Iterable[object]) -> dict[str, CheckpointableHook]:
+    """The keys of states written before :data:`HOOK_KEYS`: ``<name>:<index>`` in registration order."""
     counts: dict[str, int] = {}
     keyed: dict[str, CheckpointableHook] = {}
     for hook in hooks:
@@ -145,6 +186,7 @@ def capture_state(strategy: TrainingStrategy) -> dict[str, Any]:
         "counters": {name: int(getattr(ctx, name)) for name in COUNTERS},
         "scheduler": scheduler_state,
         "hooks": {key: hook.state_dict() for key, hook in checkpointable_hooks(strategy_hooks(strategy)).items()},
+        "hook_keys": HOOK_KEYS,
         # Last, so nothing captured above can have drawn from the generators afterwards.
         "rng": capture_rng_state(ctx.train_loader),
     }
@@ -280,7 +322,7 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
             sched.load_state_dict(saved)
     for name in COUNTERS:
         setattr(ctx, name, int(state["counters"][name]))
-    _apply_hook_states(strategy, state["hooks"])
+    _apply_hook_states(strategy, state["hooks"], legacy=state.get("hook_keys") != HOOK_KEYS)
     if scheduler:
         apply_scheduler_state(strategy, state)
     rng = state["rng"]
@@ -312,8 +354,10 @@ def apply_scheduler_state(strategy: TrainingStrategy, state: Mapping[str, Any]) 
     load(saved)
 
 
-def _apply_hook_states(strategy: TrainingStrategy, saved: Mapping[str, Any]) -> None:
-    live = checkpointable_hooks(strategy_hooks(strategy))
+def _apply_hook_states(strategy: TrainingStrategy, saved: Mapping[str, Any], *, legacy: bool = False) -> None:
+    hooks = strategy_hooks(strategy)
+    # A state written with order-based keys is mapped by order, as when it was written.
+    live = _legacy_hook_keys(hooks) if legacy else checkpointable_hooks(hooks)
     for key, hook in live.items():
         if key not in saved:
             warnings.warn(

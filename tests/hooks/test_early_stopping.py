@@ -250,7 +250,7 @@ def test_state_survives_a_checkpoint_and_resume(tmp_path: Path) -> None:
     with make_strategy([first, CheckpointHook(tmp_path, epoch_interval=1)], num_epochs=2) as strategy:
         result = strategy.run(make_batches(STEPS_PER_EPOCH, seed=1))
     assert result.stop_reason is None and first.wait == 1
-    saved = read_checkpoint(tmp_path)["hooks"]["early_stopping:0"]
+    saved = read_checkpoint(tmp_path)["hooks"]["early_stopping"]
     assert saved == {"monitor": "loss", "mode": "min", "best": first.best, "wait": 1}
 
     # Resumed with patience 2: one more stalled validation (epoch 3) is the second in a row.

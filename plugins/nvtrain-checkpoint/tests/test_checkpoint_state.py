@@ -40,9 +40,11 @@ class _Stateful:
         pass
 
 
-def test_hook_keys_are_plugin_name_or_class_and_an_index() -> None:
+def test_hook_keys_are_plugin_name_or_class_and_an_identity() -> None:
     a, b, c, d = _Stateful("ema"), _Stateful("ema"), _Stateful(), object()
-    assert checkpointable_hooks([a, d, b, c]) == {"ema:0": a, "ema:1": b, "_Stateful:0": c}
+    a.model_key, b.model_key = "main", "teacher"  # type: ignore[attr-defined]
+    assert checkpointable_hooks([a, d, b, c]) == {"ema:main": a, "ema:teacher": b, "_Stateful": c}
+    assert checkpointable_hooks([c, b, a]) == {"ema:main": a, "ema:teacher": b, "_Stateful": c}
 
 
 def test_rng_states_round_trip() -> None:
