@@ -27,6 +27,11 @@ CUDA = pytest.param(
 )
 DEVICES = ["cpu", CUDA]
 
+#: What torch warns at each synchronising CUDA call in sync debug mode "warn". The first
+#: ``set_sync_debug_mode`` of a process also warns, once, that the mode is a prototype
+#: ("Synchronization debug mode is a prototype feature ..."): that is no synchronisation.
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -56,7 +61,8 @@ def make_batches(n: int, device: str = "cpu") -> list[tuple[torch.Tensor, torch.
 
 
 def params_of(strategy: nvtrain.TrainingStrategy) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in strategy.ctx.models["main"].parameters()]
+    """Host copies: the model moves to the strategy's device at SETUP, so snapshots compare on one device."""
+    return [p.detach().to("cpu", copy=True) for p in strategy.ctx.models["main"].parameters()]
 
 
 class RecordingScaler(torch.amp.GradScaler):
@@ -180,7 +186,7 @@ def count_host_syncs(device: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[l
                 yield found
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        found.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
+        found.extend(str(w.message) for w in caught if SYNC_WARNING in str(w.message))
         return
     item, to_bool = torch.Tensor.item, torch.Tensor.__bool__
 
