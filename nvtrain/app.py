@@ -830,9 +830,12 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
     config = plan.config
     manager = None
     if _env_world_size() > 1:
-        from nvtrain.distributed import DistributedManager
+        from nvtrain.distributed import DeviceAssignmentError, DistributedManager
 
-        manager = DistributedManager.initialize()
+        try:  # the config's device decides the backend: device=cpu trains with gloo where GPUs are visible
+            manager = DistributedManager.initialize(device=config.device)
+        except DeviceAssignmentError as err:
+            raise plan.loaded.error(str(err), ("device",)) from None
     rank = manager.rank if manager is not None else 0
     started = time.perf_counter()
     try:

@@ -5,7 +5,9 @@ describes the job in environment variables. :class:`DistributedManager` reads
 them once, initialises ``torch.distributed`` when the job has more than one
 process (NCCL with CUDA, gloo otherwise) and tells the strategy and plugins
 the answer. A plain ``python train.py`` is a world of one and needs no
-environment at all.
+environment at all. NCCL needs a GPU of its own for every process: a node
+that starts more processes than it has GPUs is refused with
+:class:`DeviceAssignmentError`, which says how to fix the launch.
 
 :func:`unwrap_model` gives the module under a data-parallel (or compiled)
 wrapper; checkpoints and averaged weights are taken from it so they load into
@@ -24,7 +26,15 @@ import attrs
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedManager", "TorchrunEnv", "default_backend", "unwrap_model"]
+__all__ = ["DeviceAssignmentError", "DistributedManager", "TorchrunEnv", "default_backend", "unwrap_model"]
+
+
+class DeviceAssignmentError(RuntimeError):
+    """More processes on a node than CUDA devices for them, with a backend (NCCL) that needs one each.
+
+    Raised by :meth:`DistributedManager.initialize` on every rank of the node, before any
+    process group exists, so no rank waits for the others at a rendezvous that cannot work.
+    """
 
 
 @attrs.frozen
@@ -105,6 +115,61 @@ def _default_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _as_device(value: str | torch.device | None) -> torch.device | None:
+    if value is None or value == "auto":  # "auto": the config's word for the default
+        return None
+    if isinstance(value, torch.device):
+        return value
+    if not isinstance(value, str) or not value:
+        raise ValueError(
+            f"DistributedManager.initialize: device must be a torch device like 'cpu', 'cuda' or 'cuda:1', "
+            f"or None / 'auto' (got {value!r})"
+        )
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"DistributedManager.initialize: device {value!r} is not a torch device ({err})") from None
+
+
+def _process_device(
+    requested: torch.device | None, local_rank: int, local_world_size: int, world_size: int, backend: str | None
+) -> torch.device:
+    """The device of this process: ``requested``, else ``cuda:LOCAL_RANK`` with CUDA, else the CPU.
+
+    ``cuda`` without an index means ``cuda:LOCAL_RANK``; an explicit index is used as given.
+    With several processes and NCCL (given, or chosen for a CUDA device) each process of the
+    node needs a GPU of its own: NCCL refuses two ranks on one device ("invalid usage"),
+    so a node with more processes than visible GPUs is refused here, on every rank alike.
+    """
+    if requested is not None and requested.type != "cuda":
+        return requested
+    if requested is not None and not torch.cuda.is_available():
+        raise ValueError(
+            f"DistributedManager.initialize: device {str(requested)!r} asks for CUDA, which this process does not "
+            "have (torch.cuda.is_available() is False); use device='cpu'"
+        )
+    if requested is None and not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if requested is not None and requested.index is not None:
+        if requested.index >= count:
+            raise ValueError(
+                f"DistributedManager.initialize: device {str(requested)!r} but {count} CUDA device(s) are visible"
+            )
+        return requested
+    chosen = backend or default_backend(torch.device("cuda", 0))
+    if world_size > 1 and chosen == "nccl" and max(local_world_size, local_rank + 1) > count:
+        processes = max(local_world_size, local_rank + 1)
+        raise DeviceAssignmentError(
+            f"DistributedManager: {processes} processes on this node (LOCAL_WORLD_SIZE={local_world_size}) but "
+            f"{count} CUDA device(s) visible, and NCCL needs a GPU of its own for every process. Start at most "
+            f"{count} process(es) per node (torchrun --nproc-per-node={count}), or train on the CPU with gloo: "
+            "`nvtrain train ... --set device=cpu`, DistributedManager.initialize(device='cpu') in a script, "
+            "or CUDA_VISIBLE_DEVICES= to hide the GPUs"
+        )
+    return torch.device("cuda", local_rank % count)
+
+
 @attrs.frozen
 class _State:
     rank: int = 0
@@ -149,6 +214,7 @@ class DistributedManager:
     def initialize(
         cls,
         *,
+        device: str | torch.device | None = None,
         backend: str | None = None,
         timeout: datetime.timedelta | None = None,
         find_unused_parameters: bool = False,
@@ -156,11 +222,15 @@ class DistributedManager:
     ) -> DistributedManager:
         """Read torchrun's environment; with ``WORLD_SIZE > 1`` initialise ``torch.distributed``.
 
-        The device is ``cuda:LOCAL_RANK`` when CUDA is available (made the current
-        device), else the CPU; the backend is ``backend`` or NCCL with CUDA and gloo
-        otherwise. If ``torch.distributed`` is already initialised (by your code), it is
-        adopted and :meth:`cleanup` leaves it alone. Calling ``initialize()`` again
-        returns the existing manager.
+        The device is ``device`` when given (``"cuda"`` without an index means
+        ``cuda:LOCAL_RANK``; ``"cpu"`` trains on the CPU with gloo even where GPUs are
+        visible), else ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; a CUDA
+        device is made the current device. The backend is ``backend`` or NCCL with CUDA
+        and gloo otherwise. With NCCL and more processes on this node than visible
+        GPUs it raises :class:`DeviceAssignmentError` (saying what to change) before any
+        process group is created. If ``torch.distributed`` is already initialised (by
+        your code), it is adopted and :meth:`cleanup` leaves it alone. Calling
+        ``initialize()`` again returns the existing manager.
         """
         for name, value in (
             ("find_unused_parameters", find_unused_parameters),
@@ -172,20 +242,22 @@ class DistributedManager:
             raise ValueError(
                 f"DistributedManager.initialize: backend must be a non-empty str or None (got {backend!r})"
             )
+        requested = _as_device(device)
         if cls._state is not None and cls._state.initialized:
             return cls()
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
             env = TorchrunEnv.from_environ()
             local_rank = env.local_rank if env.world_size == world_size else rank
-            device = _default_device(local_rank)
+            local_world_size = env.local_world_size if env.world_size == world_size else world_size
+            device = _process_device(requested, local_rank, local_world_size, world_size, str(dist.get_backend()))
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             cls._state = _State(
                 rank=rank,
                 local_rank=local_rank,
                 world_size=world_size,
-                local_world_size=env.local_world_size if env.world_size == world_size else world_size,
+                local_world_size=local_world_size,
                 device=device,
                 backend=str(dist.get_backend()),
                 process_group=dist.group.WORLD,
@@ -196,7 +268,7 @@ class DistributedManager:
             )
             return cls()
         env = TorchrunEnv.from_environ()
-        device = _default_device(env.local_rank)
+        device = _process_device(requested, env.local_rank, env.local_world_size, env.world_size, backend)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         state = _State(

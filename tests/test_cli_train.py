@@ -249,6 +249,7 @@ def test_torchrun_two_processes_train_the_builtin_job_with_ddp(tmp_path: Path) -
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "nvtrain", "train",
         "--set", "trainer.max_steps=12", "--set", f"output_dir={tmp_path / 'out'}",
+        "--set", "device=cpu",  # gloo on the CPU: two ranks on a one-GPU machine would be refused (NCCL)
     ]  # fmt: skip
     process = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT
