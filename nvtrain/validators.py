@@ -2,8 +2,11 @@
 
 Each factory returns a validator whose error names the class and field, what was
 expected and what came: ``EMAHook.decay must be in [0.0, 1.0) (got 1.5)``. A wrong
-value raises ``ValueError``; the ``strict_*`` checks, which are about the type
-only, raise ``TypeError``. ``bool`` is never taken for a number.
+value raises :class:`FieldValueError` (a ``ValueError``); the ``strict_*`` checks,
+which are about the type only, raise :class:`FieldTypeError` (a ``TypeError``).
+Both are a :class:`FieldProblem` that carries the class, field, value and
+expectation, so a caller (the config loader, ``nvtrain train``) places the error at
+the field without parsing its message. ``bool`` is never taken for a number.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "FieldProblem",
+    "FieldTypeError",
+    "FieldValueError",
     "float_in_range",
     "int_at_least",
     "number_above",
@@ -27,6 +33,35 @@ __all__ = [
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 
+class FieldProblem(Exception):
+    """A field refused a value: ``owner.field`` expected ``expected`` and got ``value``.
+
+    ``str()`` is the whole message; the attributes are its parts, for callers that
+    place the error (at a config line, a hook's setting) rather than show it.
+    """
+
+    def __init__(
+        self, message: str, *, owner: str = "", field: str = "", value: Any = None, expected: str = ""
+    ) -> None:
+        super().__init__(message)
+        #: The class whose field refused the value (``EMAHook``), or "".
+        self.owner = owner
+        #: The field's name (``decay``).
+        self.field = field
+        #: The refused value.
+        self.value = value
+        #: What the field takes (``in [0.0, 1.0)``), or "" when the message says it another way.
+        self.expected = expected
+
+
+class FieldValueError(FieldProblem, ValueError):
+    """A value of the right kind outside what the field accepts."""
+
+
+class FieldTypeError(FieldProblem, TypeError):
+    """A value of a kind the field does not take."""
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -36,7 +71,11 @@ def _is_number(value: Any) -> bool:
 
 
 def _validator(
-    expected: str, accepts: Callable[[Any], bool], *, or_none: bool = False, error: type[Exception] = ValueError
+    expected: str,
+    accepts: Callable[[Any], bool],
+    *,
+    or_none: bool = False,
+    error: type[FieldProblem] = FieldValueError,
 ) -> Validator:
     if or_none:
         expected += " or None"
@@ -44,7 +83,14 @@ def _validator(
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if (value is None and or_none) or accepts(value):
             return
-        raise error(f"{type(instance).__name__}.{attribute.name} must be {expected} (got {value!r})")
+        owner = type(instance).__name__
+        raise error(
+            f"{owner}.{attribute.name} must be {expected} (got {value!r})",
+            owner=owner,
+            field=attribute.name,
+            value=value,
+            expected=expected,
+        )
 
     return check
 
@@ -89,8 +135,8 @@ def float_in_range(low: float, high: float, *, include_low: bool = False, includ
     return _validator(f"in {interval}", accepts)
 
 
-#: True or False, nothing else (not 0 or 1); raises ``TypeError``.
-strict_bool: Validator = _validator("True or False", lambda v: isinstance(v, bool), error=TypeError)
+#: True or False, nothing else (not 0 or 1); raises :class:`FieldTypeError`.
+strict_bool: Validator = _validator("True or False", lambda v: isinstance(v, bool), error=FieldTypeError)
 
-#: Any int (not a bool); raises ``TypeError``.
-strict_int: Validator = _validator("an int", _is_int, error=TypeError)
+#: Any int (not a bool); raises :class:`FieldTypeError`.
+strict_int: Validator = _validator("an int", _is_int, error=FieldTypeError)

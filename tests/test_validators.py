@@ -10,6 +10,9 @@ import pytest
 
 from nvtrain.hooks import GradientAccumulationHook, GradientClippingHook, SpikeSkipHook
 from nvtrain.validators import (
+    FieldProblem,
+    FieldTypeError,
+    FieldValueError,
     float_in_range,
     int_at_least,
     number_above,
@@ -86,3 +89,17 @@ def test_the_message_names_the_subclass_that_failed() -> None:
 def test_every_builtin_hook_refuses_a_non_int_priority_the_same_way(build: Any) -> None:
     with pytest.raises(TypeError, match=r"\.priority must be an int \(got '10'\)"):
         build("10")
+
+
+def test_the_error_carries_class_field_value_and_expectation() -> None:
+    with pytest.raises(FieldValueError) as caught:
+        settings(float_in_range(0.0, 1.0))(1.5)
+    err = caught.value
+    assert isinstance(err, FieldProblem) and isinstance(err, ValueError)
+    assert (err.owner, err.field, err.value, err.expected) == ("Settings", "value", 1.5, "in (0.0, 1.0)")
+
+    with pytest.raises(FieldTypeError) as caught_type:
+        settings(strict_int)(1.0)
+    type_err = caught_type.value
+    assert isinstance(type_err, FieldProblem) and not isinstance(type_err, ValueError)
+    assert (type_err.field, type_err.value, type_err.expected) == ("value", 1.0, "an int")

@@ -23,7 +23,7 @@ def build_hook(cls: type, settings: Mapping[str, Any], *, label: str) -> Any:
     if accepted is not None:
         unknown = [key for key in settings if key not in accepted]
         if unknown:
-            raise PluginSettingsError(_unknown_message(label, name, unknown, accepted))
+            raise PluginSettingsError(_unknown_message(label, name, unknown, accepted), unknown=tuple(unknown))
     missing = [key for key in required_settings(cls) if key not in settings]
     if missing:
         listed = ", ".join(repr(key) for key in missing)

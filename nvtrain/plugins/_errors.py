@@ -35,3 +35,8 @@ class PluginSettingsError(PluginError, TypeError):
     Values of accepted settings are checked by the hook class's own validators, which
     raise their own ``ValueError`` / ``TypeError``.
     """
+
+    def __init__(self, message: str, *, unknown: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        #: The settings the hook class does not accept, in the order given (empty for a missing one).
+        self.unknown = unknown
