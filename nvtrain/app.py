@@ -38,6 +38,7 @@ import attrs
 import torch
 
 from nvtrain.config import LoadedConfig, RunConfig, resolve_import_path
+from nvtrain.config.errors import field_of
 from nvtrain.errors import ResumeError
 from nvtrain.hook import AveragesWeights
 from nvtrain.hookspecs import hookimpl
@@ -338,7 +339,7 @@ def _all_entry_points() -> Sequence[Any]:
 
 def plugins_build(cls: type, settings: Mapping[str, Any], name: str) -> Any:
     """Build a built-in or import-path hook the way plugins are built (unknown settings named)."""
-    from nvtrain.plugins._build import build_hook
+    from nvtrain.plugins import build_hook
 
     return build_hook(cls, settings, label=f"hook {name!r}")
 
@@ -362,18 +363,16 @@ def _load_plugin(
 
 
 def _construct(loaded: LoadedConfig, path: tuple[str | int, ...], name: str, build: Callable[[], Any]) -> Any:
-    from nvtrain.plugins import PluginError
+    from nvtrain.plugins import PluginError, PluginSettingsError
 
     try:
         return build()
     except PluginError as err:
-        unknown = re.search(r"has no settings? '(\w+)'", str(err))
-        raise loaded.error(str(err), (*path, unknown.group(1)) if unknown else path) from None
+        unknown = err.unknown if isinstance(err, PluginSettingsError) else ()
+        raise loaded.error(str(err), (*path, unknown[0]) if unknown else path) from None
     except (TypeError, ValueError) as err:  # the hook's own validators: "EMAHook.decay must be ..."
-        text = str(err)
-        field = text.split(" ", 1)[0].partition(".")[2].rstrip(":")
-        where = (*path, field) if field and field.isidentifier() else path
-        raise loaded.error(f"hook {name!r}: {text}", where) from None
+        field = field_of(err)
+        raise loaded.error(f"hook {name!r}: {err}", (*path, field) if field else path) from None
 
 
 def _default_outputs(cls: type, settings: dict[str, Any], run_dir: Path, name: str) -> dict[str, Any]:

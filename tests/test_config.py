@@ -276,6 +276,47 @@ def test_hook_validator_error_points_at_the_setting() -> None:
     assert err.path == ("hooks", 1, "decay") and "EMAHook.decay must be in [0.0, 1.0) (got 1.5)" in str(err)
 
 
+def test_a_structured_validator_error_is_placed_by_its_field_not_its_wording(tmp_path: Path) -> None:
+    (tmp_path / "picky_hooks_structured.py").write_text(
+        textwrap.dedent(
+            """\
+            import attrs
+            from nvtrain.validators import FieldValueError
+
+            @attrs.define
+            class Picky:
+                level: int = attrs.field(default=0)
+
+                @level.validator
+                def _check(self, attribute, value):
+                    if value > 3:
+                        raise FieldValueError("too high", owner="Picky", field="level", value=value, expected="<= 3")
+            """
+        ),
+        encoding="utf-8",
+    )
+    path = write(tmp_path, MINIMAL + "hooks:\n  - name: picky_hooks_structured:Picky\n    level: 5\n")
+    err = prepare_error(path)
+    assert err.path == ("hooks", 0, "level") and err.location == f"{path}:7:5"
+    assert str(err).endswith("hook 'picky_hooks_structured:Picky': too high")
+
+
+def test_an_unknown_setting_is_named_by_the_error_itself() -> None:
+    from nvtrain.hooks import GradientClippingHook
+    from nvtrain.plugins import PluginSettingsError, build_hook
+
+    with pytest.raises(PluginSettingsError) as info:
+        build_hook(GradientClippingHook, {"max_nrm": 1.0, "foo": 2}, label="hook 'clip'")
+    assert info.value.unknown == ("max_nrm", "foo")
+
+
+def test_a_wrong_choice_is_reported_as_the_value_it_is() -> None:
+    # The words "missing" and "required" in a value once made it read as a missing key.
+    err = error_of(None, "lr_scheduler.interval='missing required'")
+    assert err.path == ("lr_scheduler", "interval")
+    assert err.problem == "expected one of 'step', 'epoch', got str 'missing required'"
+
+
 def test_model_kwarg_typo_is_caught_before_building() -> None:
     err = prepare_error(None, "model.kwargs.hiden=3")
     assert err.path == ("model", "kwargs", "hiden")

@@ -1,0 +1,68 @@
+"""The config layer's errors: one located :class:`ConfigError`, and the field a validator's error names."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nvtrain.validators import FieldProblem, FieldValueError
+
+__all__ = ["ConfigError", "ConfigPath", "FieldError", "describe", "field_of", "format_path"]
+
+#: Where a value sits in the config: ``("hooks", 1, "decay")``.
+ConfigPath = tuple[str | int, ...]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. ``str()`` is one line: ``location: path: problem``."""
+
+    def __init__(self, message: str, *, path: ConfigPath = (), location: str | None = None) -> None:
+        self.problem = message
+        self.path = tuple(path)
+        self.location = location
+        parts = [p for p in (location, format_path(self.path)) if p]
+        super().__init__(": ".join([*parts, message]))
+
+
+class FieldError(FieldValueError):
+    """Raised by a config field's validator so the error can be placed at that field's line."""
+
+    def __init__(self, field: str, message: str, *, owner: str = "", value: Any = None, expected: str = "") -> None:
+        super().__init__(message, owner=owner, field=field, value=value, expected=expected)
+
+
+def format_path(path: Sequence[str | int]) -> str:
+    """``("hooks", 1, "decay")`` -> ``hooks[1].decay``."""
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def field_of(err: BaseException) -> str | None:
+    """The field an attrs validator's error is about, or None.
+
+    A :class:`~nvtrain.validators.FieldProblem` says so itself. Validators that
+    still raise a plain ``ValueError`` / ``TypeError`` (a plugin's own, the signal
+    check of ``trainer.preemption_signal``) follow the house style of opening the
+    message with ``Owner.field``: ``EMAHook.model_key must be ...``,
+    ``StepSchedulerConfig.preemption_signal: ...``; that first word is read instead.
+    """
+    if isinstance(err, FieldProblem):
+        return err.field or None
+    head = str(err).split(" ", 1)[0].rstrip(":")
+    owner, dot, field = head.partition(".")
+    if dot and owner.isidentifier() and owner[0].isupper() and field.isidentifier():
+        return field
+    return None
+
+
+def describe(value: Any) -> str:
+    """A value as a message shows it: ``null``, ``a mapping``, ``a list``, ``int 3``."""
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"

@@ -1,0 +1,48 @@
+"""Import paths ``package.module:attr.sub``, resolved also from the config file's folder."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["resolve_import_path"]
+
+
+def resolve_import_path(spec: str, search_dirs: Sequence[Path] = ()) -> Any:
+    """Import ``package.module:attr.sub``; ``search_dirs`` are tried for modules not installed.
+
+    Raises ImportError/AttributeError with a message naming ``spec``.
+    """
+    module_name, _, attr_path = spec.partition(":")
+    try:
+        module = _import_module(module_name, search_dirs)
+    except ModuleNotFoundError as err:
+        if err.name and not module_name.startswith(err.name) and err.name != module_name:
+            raise ImportError(f"importing {module_name!r} for {spec!r} failed: {err}") from err
+        where = f" (also looked in {', '.join(str(d) for d in search_dirs)})" if search_dirs else ""
+        raise ImportError(f"cannot import module {module_name!r} for {spec!r}{where}") from None
+    target: Any = module
+    for part in attr_path.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            names = [n for n in dir(target) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise AttributeError(f"{module_name!r} has no attribute {attr_path!r} ({spec!r}){hint}") from None
+    return target
+
+
+def _import_module(name: str, search_dirs: Sequence[Path]) -> Any:
+    added = [str(d) for d in search_dirs if str(d) not in sys.path]
+    sys.path[:0] = added
+    try:
+        return importlib.import_module(name)
+    finally:
+        for entry in added:
+            if entry in sys.path:
+                sys.path.remove(entry)

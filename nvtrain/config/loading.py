@@ -1,0 +1,83 @@
+"""A config file (or the built-in one) plus ``--set`` overrides, loaded into a located :class:`LoadedConfig`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import attrs
+
+from nvtrain.config.converter import converter
+from nvtrain.config.errors import ConfigError, ConfigPath, describe
+from nvtrain.config.overrides import apply_overrides
+from nvtrain.config.schema import RunConfig
+from nvtrain.config.source import parse_yaml, yaml_module
+from nvtrain.config.structure import structure_config
+
+__all__ = ["BUILTIN_SOURCE", "LoadedConfig", "dump_config", "load_config"]
+
+#: How the built-in config is named in messages.
+BUILTIN_SOURCE = "<built-in default.yaml>"
+
+
+@attrs.frozen
+class LoadedConfig:
+    """A structured config plus where it came from, so later checks can point at lines too."""
+
+    config: RunConfig
+    #: The file name, or :data:`BUILTIN_SOURCE`.
+    source: str
+    #: The config file's folder (import paths are also resolved from there), or None.
+    directory: Path | None
+    locations: Mapping[ConfigPath, str] = attrs.field(factory=dict, repr=False)
+
+    def locate(self, path: Sequence[str | int]) -> str:
+        """The nearest recorded location of ``path`` (or of its closest parent)."""
+        key = tuple(path)
+        while key:
+            if key in self.locations:
+                return self.locations[key]
+            key = key[:-1]
+        return self.source
+
+    def error(self, message: str, path: Sequence[str | int] = ()) -> ConfigError:
+        """A :class:`ConfigError` placed at ``path``."""
+        return ConfigError(message, path=tuple(path), location=self.locate(path))
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> LoadedConfig:
+    """Read ``path`` (the built-in config when None), apply ``--set`` overrides, structure it.
+
+    Raises :class:`ConfigError` for anything wrong, with its location.
+    """
+    if path is None:
+        from nvtrain.builtin import default_config_text
+
+        text, source, directory, stem = default_config_text(), BUILTIN_SOURCE, None, "digits"
+    else:
+        file = Path(path)
+        source = str(path)
+        try:
+            text = file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError("no such config file", location=source) from None
+        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
+            raise ConfigError(f"cannot read the config file ({type(err).__name__}: {err})", location=source) from None
+        directory, stem = file.resolve().parent, file.stem
+    data, locations = parse_yaml(text, source)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config file holds a mapping of sections, got {describe(data)}", location=source)
+    data = apply_overrides(data, overrides, locations)
+    loaded = LoadedConfig(config=None, source=source, directory=directory, locations=locations)  # type: ignore[arg-type]
+    config = structure_config(data, loaded.locate)
+    if config.name is None:
+        config = attrs.evolve(config, name=stem)
+    return attrs.evolve(loaded, config=config)
+
+
+def dump_config(config: RunConfig) -> str:
+    """The fully resolved config as YAML, in schema order (what ``--print-config`` shows)."""
+    data = converter().unstructure(config)
+    return str(yaml_module().safe_dump(data, sort_keys=False, default_flow_style=False))

@@ -1,0 +1,94 @@
+"""``--set key.sub=value`` overrides, applied to the raw YAML data before it is structured.
+
+Each override becomes the recorded location of what it set (``--set trainer.max_steps=0``),
+so a later error about that value names the argument instead of a file line.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from typing import Any
+
+from nvtrain.config.errors import ConfigError, ConfigPath, describe
+from nvtrain.config.source import parse_yaml
+
+__all__ = ["apply_overrides"]
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str], locations: dict[ConfigPath, str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` strings (values parsed as YAML) to raw config data, in order.
+
+    List items are addressed by index (``hooks.0.decay``) or, for hooks, by name
+    (``hooks.ema.decay``). Missing sections are created; unknown keys are caught
+    when the result is structured, with the ``--set`` argument as location.
+    """
+    for override in overrides:
+        where = f"--set {override}"
+        key, sep, raw = override.partition("=")
+        parts = key.strip().split(".") if key.strip() else []
+        if not sep or not parts or any(not p for p in parts):
+            raise ConfigError("expected --set key.subkey=value, e.g. --set trainer.max_steps=200", location=where)
+        value, _ = parse_yaml(raw, where) if raw.strip() else (None, {})
+        node: Any = data
+        path: list[str | int] = []
+        for part in parts[:-1]:
+            node, step = _descend(node, part, path, where)
+            path.append(step)
+        last = parts[-1]
+        if isinstance(node, list):
+            index = _list_index(node, last, path, where)
+            node[index] = value
+            path.append(index)
+        elif isinstance(node, dict):
+            node[last] = value
+            path.append(last)
+        else:
+            raise ConfigError(f"cannot set {last!r} inside {describe(node)}", path=tuple(path), location=where)
+        prefix = tuple(path)
+        for known in [p for p in locations if p[: len(prefix)] == prefix]:
+            del locations[known]
+        locations[prefix] = where
+    return data
+
+
+def _descend(node: Any, part: str, path: list[str | int], where: str) -> tuple[Any, str | int]:
+    if isinstance(node, list):
+        index = _list_index(node, part, path, where)
+        if not isinstance(node[index], dict):
+            node[index] = {"name": node[index]} if isinstance(node[index], str) else {}
+        return node[index], index
+    if isinstance(node, dict):
+        child = node.get(part)
+        if not isinstance(child, (dict, list)):
+            child = node[part] = {}
+        return child, part
+    raise ConfigError(f"cannot descend into {describe(node)} with {part!r}", path=tuple(path), location=where)
+
+
+def _list_index(items: list[Any], part: str, path: list[str | int], where: str) -> int:
+    if part.lstrip("-").isdigit():
+        index = int(part)
+        if not -len(items) <= index < len(items):
+            raise ConfigError(
+                f"index {index} is out of range (the list has {len(items)} items)", path=tuple(path), location=where
+            )
+        return index % len(items)
+    names = [_hook_name(item) for item in items]
+    if part in names:
+        return names.index(part)
+    close = difflib.get_close_matches(part, [n for n in names if n], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(
+        f"no item named {part!r}{hint} (items: {', '.join(n or '?' for n in names) or 'none'})",
+        path=tuple(path),
+        location=where,
+    )
+
+
+def _hook_name(item: Any) -> str | None:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, dict) and isinstance(item.get("name"), str):
+        return str(item["name"])
+    return None

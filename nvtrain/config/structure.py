@@ -1,0 +1,98 @@
+"""Raw config data into a :class:`~nvtrain.config.schema.RunConfig`, every problem in one located error.
+
+cattrs reports what it refuses as a tree of exception groups whose notes name the
+attribute or list index of each member. :func:`problems` flattens that tree into
+:class:`Problem` records (a config path and a message); :func:`structure_config`
+raises the first as a :class:`~nvtrain.config.errors.ConfigError` at its location
+and lists the others on the same line.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import attrs
+
+from nvtrain.config.converter import converter
+from nvtrain.config.errors import ConfigError, ConfigPath, field_of, format_path
+from nvtrain.config.schema import SECTIONS, RunConfig
+from nvtrain.validators import FieldProblem
+
+__all__ = ["Problem", "problems", "structure_config"]
+
+
+class Problem(NamedTuple):
+    """One thing wrong with the data: where it is and what it is."""
+
+    path: ConfigPath
+    message: str
+
+
+def structure_config(data: dict[str, Any], locate: Callable[[ConfigPath], str]) -> RunConfig:
+    """``data`` as a :class:`RunConfig`; ``locate`` turns a config path into ``file:line:col``.
+
+    Raises one :class:`ConfigError` at the first problem (a misspelt key with a
+    suggestion first: it often explains the others, "missing max_steps"), naming the
+    rest with their locations.
+    """
+    from cattrs.errors import BaseValidationError
+
+    try:
+        return converter().structure(data, RunConfig)  # type: ignore[no-any-return]
+    except BaseValidationError as err:
+        found = sorted(problems(err), key=lambda problem: "did you mean" not in problem.message)
+        path, message = found[0]
+        if len(found) > 1:
+            others = "; ".join(f"{locate(p)}: {format_path(p) + ': ' if p else ''}{m}" for p, m in found[1:])
+            message += f" (and {len(found) - 1} more: {others})"
+        raise ConfigError(message, path=path, location=locate(path)) from None
+
+
+def problems(err: BaseException, path: ConfigPath = ()) -> Iterator[Problem]:
+    """Flatten cattrs' exception groups into :class:`Problem` records, in the file's order."""
+    from cattrs.errors import BaseValidationError, ForbiddenExtraKeysError
+
+    if isinstance(err, BaseValidationError):
+        for sub in err.exceptions:
+            yield from problems(sub, (*path, *_note_path(sub)))
+        return
+    if isinstance(err, ForbiddenExtraKeysError):
+        valid = [a.name for a in attrs.fields(err.cl)]
+        for key in sorted(err.extra_fields):
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f" (valid keys: {', '.join(valid)})"
+            yield Problem((*path, key), f"unknown key {key!r} in {_section_label(err.cl)}{hint}")
+        return
+    if isinstance(err, KeyError):  # cattrs: a required key is absent
+        yield Problem(path, f"missing required key {err.args[0]!r}")
+        return
+    if isinstance(err, FieldProblem):  # a field's validator, or a hook entry without a usable name
+        yield Problem((*path, err.field) if err.field else path, str(err))
+        return
+    if isinstance(err, (TypeError, ValueError)):
+        # Already placed when cattrs noted the attribute; else a validator outside nvtrain.validators.
+        field = None if _note_path(err) else field_of(err)
+        yield Problem((*path, field) if field else path, str(err))
+        return
+    raise err
+
+
+def _note_path(err: BaseException) -> ConfigPath:
+    """The attribute or index cattrs attached to ``err`` as a note."""
+    for note in getattr(err, "__notes__", ()):
+        name = getattr(note, "name", None)
+        if name is not None:
+            return (name,)
+        index = getattr(note, "index", None)
+        if index is not None:
+            return (index,)
+    return ()
+
+
+def _section_label(cls: type) -> str:
+    for name, section in SECTIONS:
+        if section is cls:
+            return f"section '{name}'" if name else "the top level"
+    return cls.__name__
