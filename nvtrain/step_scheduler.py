@@ -37,6 +37,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from nvtrain.data_cursor import DataCursor
 from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
 from nvtrain.validators import int_at_least, optional_int_at_least
 
@@ -513,14 +514,8 @@ class StepScheduler:
                 )
             else:
                 _restore_rng(self._epoch_rng, generators)
-            try:
-                iterator = iter(loader)
-                for skipped in range(position):
-                    if next(iterator, _NO_ITEM) is _NO_ITEM:
-                        raise ValueError(
-                            f"StepScheduler: cannot resume epoch {self.epoch} at micro-batch {position}: the "
-                            f"dataloader yields only {skipped} this epoch"
-                        )
+            try:  # without reading the consumed micro-batches where the loader allows it
+                iterator = DataCursor(loader).open(position, self.epoch)
             finally:
                 _restore_rng(now, generators)
         self._iterator, self._pending, self._pulled = iterator, _NO_ITEM, position

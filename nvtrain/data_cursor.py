@@ -1,0 +1,207 @@
+"""DataCursor: open an epoch of a loader at a micro-batch position without reading what came before.
+
+A resumed run continues an epoch in the middle. Replaying the epoch from its
+start (``next()`` ``position`` times) fetches and collates every consumed sample
+again; on a real data set that is minutes or hours per restart. For a
+``torch.utils.data.DataLoader`` over a map-style dataset with a standard sampler
+the cursor instead draws the epoch's sample order from the sampler (indices
+only, no dataset access) and builds a one-epoch loader over the same dataset,
+collate function and worker settings whose batch sampler yields only the
+unconsumed index batches, so neither the main process nor the workers touch
+the skipped part. Any other iterable is fast-forwarded as before, with one log
+line saying so.
+
+The caller sets the random state the epoch started from before :meth:`DataCursor.open`
+and puts the current one back afterwards (``StepScheduler`` does both); the
+cursor makes exactly the draws a fresh ``iter(loader)`` followed by a full pass
+over its sampler would make, so the permutation is the one the interrupted run
+used.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+__all__ = ["DataCursor"]
+
+logger = logging.getLogger(__name__)
+
+_NO_ITEM: Any = object()
+
+#: Samplers whose iteration only yields indices: drawing an epoch's order from them reads no data.
+_STANDARD_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
+
+
+class _RemainingBatches:
+    """The rest of an epoch's index batches, pulled lazily from the sampler as the loader asks for them.
+
+    A ``RandomSampler`` with a generator of its own draws lazily: its trailing
+    ``randperm`` happens only when the loader asks past the epoch's last index.
+    The cursor iterates a copy of the sampler on a replica of that generator and,
+    whenever a pull made the replica draw, sets the real generator to the replica's
+    state: the real one then advances when, and as far as, the uninterrupted run's did.
+    """
+
+    def __init__(self, iterator: Iterator[Any], replica: torch.Generator | None, real: torch.Generator | None) -> None:
+        self._iterator = iterator
+        self._replica, self._real = replica, real
+        self._seen = replica.get_state() if replica is not None else None
+
+    def _sync(self) -> None:
+        if self._replica is None or self._real is None:
+            return
+        state = self._replica.get_state()
+        if not torch.equal(state, self._seen):
+            self._seen = state
+            self._real.set_state(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            batch = next(self._iterator, _NO_ITEM)
+            self._sync()
+            if batch is _NO_ITEM:
+                return
+            yield batch
+
+
+class DataCursor:
+    """Opens ``loader``'s current epoch at a micro-batch position (see the module docstring).
+
+    :attr:`skips_without_reading` says which way :meth:`open` goes, and
+    :attr:`reason` why not when it replays.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.reason = _replay_reason(loader)
+
+    @property
+    def skips_without_reading(self) -> bool:
+        """True when :meth:`open` starts at the position without fetching the batches before it."""
+        return self.reason is None
+
+    def open(self, position: int, epoch: int = 0) -> Iterator[Any]:
+        """An iterator over the epoch's micro-batches from ``position`` on.
+
+        Raises ValueError when the epoch has fewer than ``position`` micro-batches.
+        """
+        if position == 0:
+            return iter(self.loader)
+        if self.reason is None:
+            return self._open_by_index(position, epoch)
+        return self._replay(position, epoch)
+
+    def _open_by_index(self, position: int, epoch: int) -> Iterator[Any]:
+        loader: DataLoader[Any] = self.loader
+        # iter(loader) draws the workers' base seed first (from loader.generator, else the global
+        # generator), then the sampler draws the permutation at its first pull: make the same draws in
+        # the same order. The new loader draws its base seed from a private copy of that state.
+        source = loader.generator
+        seed_generator = torch.Generator()
+        seed_generator.set_state(source.get_state() if source is not None else torch.get_rng_state())
+        torch.empty((), dtype=torch.int64).random_(generator=source)
+        index_sampler, replica, real = _shadow_index_sampler(loader)
+        iterator = iter(index_sampler)
+        for skipped in range(position):  # indices only: no dataset access
+            if next(iterator, _NO_ITEM) is _NO_ITEM:
+                raise ValueError(
+                    f"StepScheduler: cannot resume epoch {epoch} at micro-batch {position}: the dataloader "
+                    f"yields only {skipped} this epoch"
+                )
+        remaining = _RemainingBatches(iterator, replica, real)
+        settings: dict[str, Any] = {
+            "num_workers": loader.num_workers,
+            "collate_fn": loader.collate_fn,
+            "pin_memory": loader.pin_memory,
+            "timeout": loader.timeout,
+            "worker_init_fn": loader.worker_init_fn,
+            "multiprocessing_context": loader.multiprocessing_context,
+            "generator": seed_generator,
+            "prefetch_factor": loader.prefetch_factor,
+            "pin_memory_device": loader.pin_memory_device,
+        }
+        if hasattr(loader, "in_order"):
+            settings["in_order"] = loader.in_order
+        if loader.batch_sampler is not None:
+            rest = DataLoader(loader.dataset, batch_sampler=remaining, **settings)
+        else:  # batch_size=None: one index per micro-batch, no auto-collation
+            rest = DataLoader(loader.dataset, batch_size=None, sampler=remaining, **settings)
+        return _started_later(rest)
+
+    def _replay(self, position: int, epoch: int) -> Iterator[Any]:
+        if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning(
+                "resuming epoch %d: replaying %d micro-batch(es) to reach the saved position, because %s; every "
+                "skipped sample is read again. To resume without reading them, use a torch DataLoader over a "
+                "map-style dataset with a standard sampler (SequentialSampler, RandomSampler, DistributedSampler, "
+                "optionally under a BatchSampler) and persistent_workers=False",
+                epoch + 1,
+                position,
+                self.reason,
+            )
+        iterator = iter(self.loader)
+        for skipped in range(position):
+            if next(iterator, _NO_ITEM) is _NO_ITEM:
+                raise ValueError(
+                    f"StepScheduler: cannot resume epoch {epoch} at micro-batch {position}: the dataloader yields "
+                    f"only {skipped} this epoch"
+                )
+        return iterator
+
+
+def _started_later(loader: DataLoader[Any]) -> Iterator[Any]:
+    """Iterate ``loader``, creating its iterator (and workers, and their prefetch) only at the first ``next()``.
+
+    The caller puts the random state of the save moment back between :meth:`DataCursor.open`
+    and the first ``next()``; whatever the new iterator pulls from the sampler comes after that.
+    """
+    yield from loader
+
+
+def _shadow_index_sampler(loader: DataLoader[Any]) -> tuple[Any, torch.Generator | None, torch.Generator | None]:
+    """The loader's index sampler, drawing from a replica when its RandomSampler has a generator of its own.
+
+    Returns ``(index_sampler, replica, real)``; without such a generator both are None and
+    the loader's own index sampler is iterated (its draws, if any, are made at the first pull).
+    """
+    batch_sampler = loader.batch_sampler
+    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    real = getattr(sampler, "generator", None) if type(sampler) is RandomSampler else None
+    if real is None:
+        return loader._index_sampler, None, None
+    replica = torch.Generator()
+    replica.set_state(real.get_state())
+    shadow = copy.copy(sampler)
+    shadow.generator = replica
+    if batch_sampler is None:
+        return shadow, replica, real
+    shadow_batches = copy.copy(batch_sampler)
+    shadow_batches.sampler = shadow
+    return shadow_batches, replica, real
+
+
+def _replay_reason(loader: Any) -> str | None:
+    """Why ``loader`` cannot be opened at a position without reading the skipped part (None: it can)."""
+    if type(loader) is not DataLoader:
+        return f"the loader is a {type(loader).__qualname__}, not a torch.utils.data.DataLoader"
+    if isinstance(loader.dataset, IterableDataset):
+        return "its dataset is an IterableDataset (a stream cannot start at an offset)"
+    if loader.persistent_workers and loader.num_workers > 0:
+        return "it keeps persistent workers (one iterator for the loader's lifetime)"
+    sampler = loader.sampler
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None:
+        if type(batch_sampler) is not BatchSampler:
+            return f"its batch sampler is a {type(batch_sampler).__qualname__}, not a torch BatchSampler"
+        sampler = batch_sampler.sampler
+    if type(sampler) not in _STANDARD_SAMPLERS:
+        return f"its sampler is a {type(sampler).__qualname__}, not a standard one"
+    return None
