@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, final
 
 import pluggy
+from pluggy import HookImpl, PluginManager
 
 from nvtrain import hookspecs
 from nvtrain.hook import DEFAULT_PRIORITY, check_priority, hook_label
@@ -72,9 +73,9 @@ def _no_result(ctx: Any) -> None:
 def _call_order_key(impl: pluggy.HookImpl, sequence: dict[str, int]) -> tuple[int, int, int, int]:
     """Where ``impl`` is called in its stage, lower first (see the module docstring)."""
     wrapper = 0 if (impl.wrapper or impl.hookwrapper) else 1
-    priority = getattr(impl.function, PRIORITY_ATTRIBUTE, None)
+    priority: int | None = getattr(impl.function, PRIORITY_ATTRIBUTE, None)
     if priority is None:
-        priority = getattr(impl.plugin, "priority", DEFAULT_PRIORITY)
+        priority = int(getattr(impl.plugin, "priority", DEFAULT_PRIORITY))
     tier = 0 if impl.tryfirst else 2 if impl.trylast else 1
     return wrapper, priority, tier, sequence.get(impl.plugin_name, -1)
 
@@ -242,7 +243,7 @@ class HookBus:
     # -- registration -------------------------------------------------------
 
     @property
-    def pluggy(self) -> pluggy.PluginManager:
+    def pluggy(self) -> PluginManager:
         """The plugin manager: its registrations, blocks and monitors are the bus's."""
         return self._pm
 
@@ -311,7 +312,7 @@ class HookBus:
         named.sort(key=lambda item: (getattr(item[1], "priority", DEFAULT_PRIORITY), pm.sequence_of(item[0])))
         return [plugin for _, plugin in named]
 
-    def implementations(self, stage: TrainingStage) -> list[pluggy.HookImpl]:
+    def implementations(self, stage: TrainingStage) -> list[HookImpl]:
         """The implementations of a stage in the order they are called (wrappers first)."""
         return list(reversed(getattr(self._pm.hook, stage.hook_name).get_hookimpls()))
 

@@ -20,13 +20,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_PRIORITY",
-    "AccumulatesGradients",
-    "AveragesWeights",
-    "ProvidesAutocast",
     "PRIORITY_FIRST",
     "PRIORITY_LAST",
+    "AccumulatesGradients",
+    "AveragesWeights",
     "CheckpointableHook",
     "Hook",
+    "ProvidesAutocast",
     "TrainingUpdateHook",
     "hook_label",
 ]
@@ -199,7 +199,7 @@ def validate_update_hook(hook: object) -> None:
         except (TypeError, ValueError):
             raise ValueError(f"update hook {label}: 'vetoes' must be TrainingStage values (got {vetoes!r})") from None
         if not veto_set <= (VETO_STAGES & stage_set):
-            allowed = sorted(s.name for s in VETO_STAGES & stage_set) or "none: it runs on no veto stage"
+            allowed = ", ".join(sorted(s.name for s in VETO_STAGES & stage_set)) or "none: it runs on no veto stage"
             raise ValueError(
                 f"update hook {label}: 'vetoes' may name only veto stages it runs on ({allowed}); "
                 f"got {sorted(s.name for s in veto_set)}"

@@ -38,7 +38,7 @@ wrap the whole stage call, in the same order (the lowest priority outermost).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, final, overload
 
 import pluggy
 
@@ -57,15 +57,22 @@ PRIORITY_ATTRIBUTE = PROJECT_NAME + "_priority"
 _F = TypeVar("_F", bound=Callable[..., object])
 
 
-class HookimplMarker(pluggy.HookimplMarker):
-    """pluggy's implementation marker, plus ``priority=N`` for one implementation.
+@final
+class HookimplMarker:
+    """pluggy's implementation marker (same options), plus ``priority=N`` for one implementation.
 
     A plugin's ``priority`` attribute orders all its implementations; a plugin that
     must run early on one stage and late on another (a checkpoint plugin resumes
     first and saves last) gives those implementations their own priority.
     """
 
-    @overload  # type: ignore[override]
+    __slots__ = ("_marker", "project_name")
+
+    def __init__(self, project_name: str) -> None:
+        self.project_name = project_name
+        self._marker = pluggy.HookimplMarker(project_name)
+
+    @overload
     def __call__(self, function: _F, *, priority: int | None = None, **options: Any) -> _F: ...
 
     @overload
@@ -78,7 +85,7 @@ class HookimplMarker(pluggy.HookimplMarker):
     ) -> _F | Callable[[_F], _F]:
         if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
             raise TypeError(f"@nvtrain.hookimpl(priority=...) must be an int (got {priority!r})")
-        mark = super().__call__(**options)
+        mark = self._marker(**options)
 
         def apply(func: _F) -> _F:
             marked = mark(func)

@@ -173,7 +173,7 @@ class TrainingUpdateOrchestrator:
             for hook in self._backward_hooks:
                 result = hook(ctx, _DO_BACKWARD, False)
                 try:
-                    _, loss = result
+                    _, loss = result  # type: ignore[assignment]  # checked to be a tensor just below
                 except (TypeError, ValueError):
                     raise _bad_result(hook, _DO_BACKWARD, result) from None
                 if not isinstance(loss, torch.Tensor):

@@ -23,11 +23,11 @@ __all__: list[str] = [
     "EarlyStoppingHook",
     "GradientAccumulationHook",
     "GradientClippingHook",
-    "ProgressBarHook",
-    "TensorBoardHook",
     "ModulePatchHook",
+    "ProgressBarHook",
     "SpikeSkipHook",
     "StageTimingHook",
+    "TensorBoardHook",
     "TrainableParameterHook",
 ]
 

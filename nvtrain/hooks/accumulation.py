@@ -50,8 +50,8 @@ class GradientAccumulationHook(TrainingUpdateHook):
     plugin_name: ClassVar[str] = "accumulate"
     stages: ClassVar[frozenset[TrainingStage]] = frozenset({_BEFORE_BATCH, _DO_BACKWARD, _DO_OPTIMIZER_STEP})
     exclusive_key: ClassVar[str | None] = "gradient_accumulation"
-    vetoes: ClassVar[frozenset[TrainingStage] | None] = frozenset({_BEFORE_BATCH, _DO_OPTIMIZER_STEP})
-    uses_gradients: ClassVar[bool | None] = False  # it decides from the window position alone
+    vetoes = frozenset({_BEFORE_BATCH, _DO_OPTIMIZER_STEP})
+    uses_gradients = False  # it decides from the window position alone
 
     #: Micro-batches per optimizer step (the window size K).
     steps: int = attrs.field(validator=int_at_least(1))

@@ -123,8 +123,8 @@ class GradientClippingHook(TrainingUpdateHook):
 
     plugin_name: ClassVar[str] = "clip"
     stages: ClassVar[frozenset[TrainingStage]] = frozenset({_DO_OPTIMIZER_STEP})
-    vetoes: ClassVar[frozenset[TrainingStage] | None] = frozenset()
-    uses_gradients: ClassVar[bool | None] = True  # clips them in place
+    vetoes = frozenset()
+    uses_gradients = True  # clips them in place
 
     max_norm: float | None = attrs.field(default=None, validator=optional_number_above(0))
     norm_type: float = attrs.field(default=2.0, validator=number_above(0, example="2.0 or float('inf')"))

@@ -114,9 +114,9 @@ class SpikeSkipHook(TrainingUpdateHook):
     plugin_name: ClassVar[str] = "spike_skip"
     stages: ClassVar[frozenset[TrainingStage]] = frozenset({_DO_OPTIMIZER_STEP})
     exclusive_key: ClassVar[str | None] = "spike_skip"
-    vetoes: ClassVar[frozenset[TrainingStage] | None] = frozenset({_DO_OPTIMIZER_STEP})
-    uses_gradients: ClassVar[bool | None] = True  # measures their norm
-    veto_discards: ClassVar[bool] = True  # a skipped step's gradients are dropped, never accumulated into
+    vetoes = frozenset({_DO_OPTIMIZER_STEP})
+    uses_gradients = True  # measures their norm
+    veto_discards = True  # a skipped step's gradients are dropped, never accumulated into
 
     #: Skip when a value exceeds mean + threshold_sigmas * std of the recent accepted values.
     threshold_sigmas: float = attrs.field(default=6.0, validator=number_above(0, finite=True))

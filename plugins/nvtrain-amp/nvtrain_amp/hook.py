@@ -59,7 +59,7 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     stages: ClassVar[frozenset[TrainingStage]] = frozenset(
         {_BEFORE_BATCH, _DO_BACKWARD, _DO_OPTIMIZER_STEP, _AFTER_OPTIMIZER_STEP}
     )
-    vetoes: ClassVar[frozenset[TrainingStage] | None] = frozenset()
+    vetoes = frozenset()
 
     precision: Precision = attrs.field(converter=parse_precision)
     init_scale: float = attrs.field(default=2.0**16, validator=number_above(0))

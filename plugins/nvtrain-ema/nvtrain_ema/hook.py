@@ -47,7 +47,7 @@ class EMAHook(nvtrain.TrainingUpdateHook):
 
     plugin_name: ClassVar[str] = "ema"
     stages: ClassVar[frozenset[TrainingStage]] = frozenset({_AFTER_OPTIMIZER_STEP})
-    vetoes: ClassVar[frozenset[TrainingStage] | None] = frozenset()
+    vetoes = frozenset()
 
     #: Key of the source model in ``ctx.models``.
     model_key: str = attrs.field(default="main", validator=_non_empty_str)
