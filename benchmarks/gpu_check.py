@@ -1,23 +1,35 @@
-"""GPU check: the standard stack's per-step overhead on a GPU-sized model, and no host sync per step.
+"""GPU check: what the standard stack costs per step, what a checkpoint costs, and no host sync per step.
 
-    python benchmarks/gpu_check.py               # skips cleanly (exit 0) without CUDA
-    python benchmarks/gpu_check.py --json
+    python benchmarks/gpu_check.py                    # on CUDA; skips cleanly (exit 0) without it
+    python benchmarks/gpu_check.py --device cuda:1 --json-out gpu_check.json
     python benchmarks/gpu_check.py --device cpu --model tiny --steps 20   # a smoke run on CPU (no sync check)
 
-Two things, on ``cuda``:
+The standard stack is bf16 autocast (fp32 on CPU), EMA, gradient clipping and
+AdamW-free SGD; the hand-written stack does the same work in a plain loop. Models
+(``--model``, repeatable): ``gpu`` MLP 2048->8192->2048 batch 512 (33.6 M
+parameters), ``small`` MLP 256->1024->256 batch 64 (launch-bound), ``tiny``
+(a CPU smoke run). Each model gets three sections:
 
-1. Per-step time of ``TrainingStrategy`` with the standard stack (bf16 autocast,
-   EMA, gradient clipping, a checkpoint every 100 steps) against a hand-written
-   loop doing the same work, and of the strategy with no plugins against a bare
-   hand-written loop; round-robin, ``torch.cuda.synchronize()`` before each clock
-   stop. Model: MLP 2048->8192->2048, batch 512 (33.6 M parameters).
-2. No host-device synchronisation on a step that neither logs nor checkpoints:
-   those steps run under ``torch.cuda.set_sync_debug_mode("error")``, which raises
-   on any synchronising call (``.item()``, ``.cpu()``, ``bool(tensor)``...). The
-   mode is switched on at BEFORE_BATCH (before every other observer) and off at
-   AFTER_BATCH (after every other) for every step of ``run()``, except checkpoint
-   steps, which copy the state to the host by design. (The warm-up step before
-   ``run()``, where the EMA copy is allocated, is not guarded.)
+1. **Loop cost, no checkpoints.** Whole-run time per step, round-robin:
+   nvtrain with no plugins against a bare hand-written loop, and nvtrain with
+   the standard stack against the hand-written stack. ``torch.cuda.synchronize()``
+   before each clock stop.
+2. **Checkpoint cost**, reported apart from the loop: a save every
+   ``--checkpoint-every`` steps (and at the end of the run). The hand-written
+   loop writes as durably as ``CheckpointHook`` does (``torch.save`` to a
+   temporary file, fsync, atomic rename, fsync of the directory). Per save:
+   the time the training thread is blocked (the device queue drained first, in
+   both loops, so the figure is the save's own), the time in the writer, the
+   bytes written and the write throughput; the wait for the last write at the
+   end of the run; whole-run ratios against the durable hand-written loop; and,
+   for ``async_save``, the median step time while a write runs in the background
+   against steps with none (host-side intervals between batch hand-outs).
+3. **No host-device synchronisation** (CUDA only) on a step that neither logs
+   nor checkpoints: those steps run under ``torch.cuda.set_sync_debug_mode("error")``,
+   which raises on any synchronising call. The mode is switched on at
+   BEFORE_BATCH (before every other implementation) and off at AFTER_BATCH
+   (after every other), except on checkpoint steps, which copy the state to the
+   host by design. (The warm-up step before ``run()`` is not guarded.)
 
 Exit status: 0 passed or skipped, 1 a synchronisation was found.
 """
@@ -26,14 +38,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,6 +58,7 @@ from nvtrain import plugins
 from nvtrain.benchmarking import (
     TINY_MLP,
     MLPSpec,
+    Timing,
     hand_written_workload,
     make_batches,
     measure,
@@ -51,28 +68,107 @@ from nvtrain.benchmarking import (
 from nvtrain.hooks import GradientClippingHook
 
 GPU_MLP = MLPSpec(2048, 8192, 2048, 512)
-MODELS = {"gpu": GPU_MLP, "tiny": TINY_MLP}
+SMALL_MLP = MLPSpec(256, 1024, 256, 64)
+MODELS = {"gpu": GPU_MLP, "small": SMALL_MLP, "tiny": TINY_MLP}
 CHECKPOINT_EVERY = 100
 EMA_DECAY = 0.999
 MAX_NORM = 1.0
 
+StepFactory = Callable[[torch.nn.Module, torch.optim.Optimizer], Callable[[Any, Any, int], None]]
 
-def standard_stack(precision: str, checkpoint_dir: Path) -> list[object]:
-    return [
+
+def resolve_device(name: str) -> torch.device | None:
+    """The device to measure on, with its index (``cuda`` means the current CUDA device); None without CUDA."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        return None
+    if device.index is None:  # torch.cuda.set_device and friends need an index
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _drain(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- the stacks -------------------------------------------------------------------------------------
+
+
+def standard_stack(precision: str, checkpoint: dict[str, Any] | None = None) -> list[object]:
+    """bf16/fp32 autocast, EMA, clipping; with ``checkpoint`` (CheckpointHook settings) also saves."""
+    hooks: list[object] = [
         plugins.load("amp", precision=precision),
         plugins.load("ema", decay=EMA_DECAY),
         GradientClippingHook(max_norm=MAX_NORM),
-        plugins.load("checkpoint", checkpoint_dir=checkpoint_dir, step_interval=CHECKPOINT_EVERY),
     ]
+    if checkpoint is not None:
+        hooks.append(plugins.load("checkpoint", **checkpoint))
+    return hooks
+
+
+def durable_save(state: Any, path: Path) -> int:
+    """What CheckpointHook guarantees, by hand: temporary file, fsync, atomic rename, fsync of the directory."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    return path.stat().st_size
+
+
+class SaveLog:
+    """Per-save figures of one candidate: blocked time, writer time, bytes, the writer's busy intervals."""
+
+    def __init__(self) -> None:
+        self.blocked_ns: list[int] = []
+        self.writer_ns: list[int] = []
+        self.bytes: list[int] = []
+        self.end_wait_ns: list[int] = []
+        self.busy: list[tuple[int, int]] = []  # perf_counter_ns (start, end) of each write
+        self._lock = threading.Lock()
+
+    def wrote(self, start: int, end: int) -> None:
+        with self._lock:
+            self.writer_ns.append(end - start)
+            self.busy.append((start, end))
+
+    def summary(self) -> dict[str, Any]:
+        def median_ms(values: Sequence[int]) -> float | None:
+            return statistics.median(values) / 1e6 if values else None
+
+        size = int(statistics.median(self.bytes)) if self.bytes else None
+        writer_ms = median_ms(self.writer_ns)
+        return {
+            "saves": len(self.blocked_ns),
+            "blocked_ms_per_save": median_ms(self.blocked_ns),
+            "blocked_ms_max": max(self.blocked_ns) / 1e6 if self.blocked_ns else None,
+            "writer_ms_per_save": writer_ms,
+            "bytes_per_save": size,
+            "write_mb_per_s": size / 1e3 / writer_ms if size and writer_ms else None,
+            # nvtrain: AFTER_TRAINING, the save of the last step and the wait for the write in flight
+            "end_of_run_ms": median_ms(self.end_wait_ns),
+        }
 
 
 def hand_written_stack(
-    device: torch.device, dtype: torch.dtype, directory: Path, last_step: int
-) -> Callable[[torch.nn.Module, torch.optim.Optimizer], Callable[[Any, Any, int], None]]:
+    device: torch.device, dtype: torch.dtype, *, save: tuple[Path, int, int, SaveLog] | None = None
+) -> StepFactory:
+    """The standard stack by hand; ``save=(directory, every, last_step, log)`` adds durable saves."""
+
     def make(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Any, Any, int], None]:
-        params = list(model.parameters())
+        params: list[torch.Tensor] = list(model.parameters())
         averaged = [p.detach().clone() for p in params]
         mse_loss = torch.nn.functional.mse_loss
+        clock = time.perf_counter_ns
 
         def step(inputs: Any, targets: Any, number: int) -> None:
             optimizer.zero_grad(set_to_none=True)
@@ -83,33 +179,257 @@ def hand_written_stack(
             optimizer.step()
             with torch.no_grad():
                 torch._foreach_lerp_(averaged, params, 1.0 - EMA_DECAY)
-            if number % CHECKPOINT_EVERY == 0 or number == last_step:
+            if save is None or number == 1:  # the warm-up step saves nothing (nvtrain's saves none either)
+                return
+            directory, every, last_step, log = save
+            if number % every == 0 or number == last_step:
+                _drain(device)
+                start = clock()
                 state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "ema": averaged}
-                path = directory / f"step_{number}.pt"
-                torch.save(state, path.with_suffix(".tmp"))
-                os.replace(path.with_suffix(".tmp"), path)
+                written = durable_save(state, directory / f"step_{number}.pt")
+                end = clock()
+                log.blocked_ns.append(end - start)
+                log.wrote(start, end)
+                log.bytes.append(written)
 
         return step
 
     return make
 
 
+class _SaveStopwatch:
+    """Times CheckpointHook's AFTER_BATCH / AFTER_TRAINING from just before it (PRIORITY_LAST - 1) to just after.
+
+    On save steps the device queue is drained before the clock starts, as in the hand-written loop.
+    """
+
+    plugin_name = "gpu_check_save_stopwatch"
+
+    def __init__(self, device: torch.device, every: int, log: SaveLog) -> None:
+        self.device, self.every, self.log = device, every, log
+        self.started: int | None = None
+        self.stop = _StopwatchEnd(self)
+
+    def due(self, ctx: nvtrain.TrainingContext) -> bool:
+        return bool(ctx.sync_gradients) and not ctx.step_skipped and ctx.step_count % self.every == 0
+
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST - 1)
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        self.started = None
+        if ctx.windowed and self.due(ctx):
+            _drain(self.device)
+            self.started = time.perf_counter_ns()
+
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST - 1)
+    def after_training(self, ctx: nvtrain.TrainingContext) -> None:
+        _drain(self.device)
+        self.started = time.perf_counter_ns()
+
+
+class _StopwatchEnd:
+    plugin_name = "gpu_check_save_stopwatch_end"
+
+    def __init__(self, start: _SaveStopwatch) -> None:
+        self.start = start
+
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST + 1)
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        if self.start.started is not None:
+            self.start.log.blocked_ns.append(time.perf_counter_ns() - self.start.started)
+            self.start.started = None
+
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST + 1)
+    def after_training(self, ctx: nvtrain.TrainingContext) -> None:
+        if self.start.started is not None:
+            self.start.log.end_wait_ns.append(time.perf_counter_ns() - self.start.started)
+            self.start.started = None
+
+
+@contextlib.contextmanager
+def timing_the_writer(logs: dict[str, SaveLog], current: list[str]) -> Iterator[bool]:
+    """Wrap the checkpoint plugin's ``save_checkpoint`` (whichever thread runs it); yields whether it could."""
+    try:
+        from nvtrain_checkpoint import storage
+    except ImportError:
+        yield False
+        return
+    original = getattr(storage, "save_checkpoint", None)
+    if original is None:
+        yield False
+        return
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        log = logs[current[0]]
+        start = time.perf_counter_ns()
+        result = original(*args, **kwargs)
+        log.wrote(start, time.perf_counter_ns())
+        return result
+
+    storage.save_checkpoint = timed
+    try:
+        yield True
+    finally:
+        storage.save_checkpoint = original
+
+
+class ClockedBatches:
+    """Batches that record ``perf_counter_ns`` at each hand-out (absolute times, one list per pass)."""
+
+    def __init__(self, batches: Sequence[Any]) -> None:
+        self.batches = batches
+        self.passes: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.batches[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        stamps: list[int] = []
+        self.passes.append(stamps)
+        for batch in self.batches:
+            stamps.append(time.perf_counter_ns())
+            yield batch
+
+
+def steps_during_writes(clocked: ClockedBatches, log: SaveLog) -> dict[str, Any]:
+    """Median step interval while a background write runs against steps with none.
+
+    A step is "during a write" when its interval lies inside a write's busy interval;
+    steps that contain a save call (blocked) or overlap a write's start or end are left out.
+    """
+    during: list[int] = []
+    idle: list[int] = []
+    busy = sorted(log.busy)
+    for stamps in clocked.passes:
+        for start, end in itertools.pairwise(stamps[1:]):  # the first interval includes the run's start
+            inside = any(b0 <= start and end <= b1 for b0, b1 in busy)
+            touches = any(start < b1 and b0 < end for b0, b1 in busy)
+            if inside:
+                during.append(end - start)
+            elif not touches:
+                idle.append(end - start)
+    result: dict[str, Any] = {"steps_during_writes": len(during), "steps_without": len(idle)}
+    if during and idle:
+        result["step_us_during_writes"] = statistics.median(during) / 1e3
+        result["step_us_without"] = statistics.median(idle) / 1e3
+        result["ratio"] = statistics.median(during) / statistics.median(idle)
+    return result
+
+
+# -- the sections ------------------------------------------------------------------------------------
+
+
+def _per_step(timings: dict[str, Timing]) -> dict[str, dict[str, float]]:
+    return {name: {"median_us": t.median / 1e3, "min_us": t.min / 1e3} for name, t in timings.items()}
+
+
+def loop_cost(spec: MLPSpec, device: torch.device, steps: int, rounds: int) -> dict[str, Any]:
+    """Whole-run time per step without any checkpoint: nvtrain against hand-written loops."""
+    batches = make_batches(spec, steps, device=device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    timings = measure(
+        {
+            "bare loop": hand_written_workload(spec, batches, device=device),
+            "nvtrain, no plugins": strategy_workload(spec, batches, device=device),
+            "hand-written stack": hand_written_workload(
+                spec, batches, make_step=hand_written_stack(device, dtype), device=device
+            ),
+            "nvtrain, standard stack": strategy_workload(
+                spec, batches, lambda: standard_stack(precision), device=device
+            ),
+        },
+        rounds=rounds,
+    )
+    return {
+        "per_step": _per_step(timings),
+        "ratio_no_plugins": ratio(timings["nvtrain, no plugins"], timings["bare loop"]).to_dict(),
+        "ratio_standard_stack": ratio(timings["nvtrain, standard stack"], timings["hand-written stack"]).to_dict(),
+    }
+
+
+def checkpoint_cost(
+    spec: MLPSpec, device: torch.device, steps: int, rounds: int, every: int, directory: Path
+) -> dict[str, Any]:
+    """The standard stack saving every ``every`` steps: blocked time, writer time, bytes, throughput, ratios."""
+    batches = make_batches(spec, steps, device=device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    names = ("hand-written, durable save", "nvtrain, checkpoint (sync)", "nvtrain, checkpoint (async)")
+    logs = {name: SaveLog() for name in names}
+    current = [names[0]]
+    clocked = ClockedBatches(batches)
+    last_step = steps + 1  # the warm-up step is 1; the timed run's steps are 2 .. steps + 1
+
+    def fresh(name: str) -> Path:
+        current[0] = name
+        path = directory / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return path
+
+    def hand() -> StepFactory:
+        log = logs[names[0]]
+        return hand_written_stack(device, dtype, save=(fresh(names[0]), every, last_step, log))
+
+    def nvtrain_stack(name: str, async_save: bool) -> Callable[[], list[object]]:
+        def hooks() -> list[object]:
+            root = fresh(name)
+            stopwatch = _SaveStopwatch(device, every, logs[name])
+            settings = {"checkpoint_dir": root, "step_interval": every, "async_save": async_save}
+            return [*standard_stack(precision, settings), stopwatch, stopwatch.stop]
+
+        return hooks
+
+    workloads = {
+        "hand-written stack, no checkpoint": hand_written_workload(
+            spec, batches, make_step=hand_written_stack(device, dtype), device=device
+        ),
+        names[0]: hand_written_workload(
+            spec, batches, make_step=lambda model, optimizer: hand()(model, optimizer), device=device
+        ),
+        names[1]: strategy_workload(spec, batches, nvtrain_stack(names[1], False), device=device),
+        names[2]: strategy_workload(spec, cast(Sequence[Any], clocked), nvtrain_stack(names[2], True), device=device),
+    }
+    with timing_the_writer(logs, current) as writer_timed:
+        timings = measure(workloads, rounds=rounds)
+    for name in names[1:]:  # bytes of the last round's checkpoints
+        root = directory / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+        for step_dir in sorted(p for p in root.glob("step_*") if p.is_dir()):
+            logs[name].bytes.append(sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file()))
+    saves = {name: logs[name].summary() for name in names}
+    if not writer_timed:
+        for name in names[1:]:
+            saves[name]["writer_ms_per_save"] = saves[name]["write_mb_per_s"] = None
+    baseline = timings[names[0]]
+    return {
+        "every": every,
+        "per_step": _per_step(timings),
+        "saves": saves,
+        "ratio_sync_vs_hand_written_durable": ratio(timings[names[1]], baseline).to_dict(),
+        "ratio_async_vs_hand_written_durable": ratio(timings[names[2]], baseline).to_dict(),
+        "async_steps_during_writes": steps_during_writes(clocked, logs[names[2]]),
+    }
+
+
 class SyncGuard:
     """Raises on any host-device sync between BEFORE_BATCH and AFTER_BATCH of a non-checkpoint step."""
 
     plugin_name = "sync_guard"
-    priority = -1000  # before every other observer
 
-    def __init__(self) -> None:
+    def __init__(self, every: int) -> None:
+        self.every = every
         self.guarded_steps = 0
 
-    @nvtrain.hookimpl(tryfirst=True)
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_FIRST - 1)  # before every other implementation
     def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
-        if ctx.windowed and (ctx.step_count + 1) % CHECKPOINT_EVERY:
+        if ctx.windowed and (ctx.step_count + 1) % self.every:
             torch.cuda.set_sync_debug_mode("error")
             self.guarded_steps += 1
 
-    @nvtrain.hookimpl(trylast=True)
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST + 1)  # after every other implementation
     def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -117,100 +437,131 @@ class SyncGuard:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def check_no_sync(spec: MLPSpec, device: torch.device, steps: int, directory: Path) -> dict[str, Any]:
-    """Train ``steps`` steps with the stack and the guard; a sync inside a guarded step raises."""
-    guard = SyncGuard()
+def check_no_sync(spec: MLPSpec, device: torch.device, steps: int, every: int, directory: Path) -> dict[str, Any]:
+    """Train ``steps`` steps with the stack, checkpoints and the guard; a sync inside a guarded step raises."""
+    guard = SyncGuard(every)
     batches = make_batches(spec, steps, device=device)
-    workload = strategy_workload(spec, batches, lambda: [guard, *standard_stack("bf16", directory)], device=device)
+    checkpoint = {"checkpoint_dir": directory, "step_interval": every}
+    workload = strategy_workload(spec, batches, lambda: [guard, *standard_stack("bf16", checkpoint)], device=device)
     strategy = workload.prepare()
     try:
         workload.run(strategy)
     finally:
         strategy.close()
+        torch.cuda.set_sync_debug_mode("default")
     return {"guarded_steps": guard.guarded_steps, "synchronisations": 0}
 
 
-def overhead(spec: MLPSpec, device: torch.device, steps: int, rounds: int, directory: Path) -> dict[str, Any]:
-    batches = make_batches(spec, steps, device=device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    precision = "bf16" if device.type == "cuda" else "fp32"
-    folders = {name: directory / name for name in ("hand", "nvtrain")}
+# -- the report ---------------------------------------------------------------------------------------
 
-    def fresh(path: Path) -> Path:
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-        return path
 
-    timings = measure(
-        {
-            "bare loop": hand_written_workload(spec, batches, device=device),
-            "nvtrain, no plugins": strategy_workload(spec, batches, device=device),
-            "hand-written stack": hand_written_workload(
-                spec,
-                batches,
-                make_step=lambda model, optimizer: hand_written_stack(
-                    device, dtype, fresh(folders["hand"]), steps + 1
-                )(model, optimizer),
-                device=device,
-            ),
-            "nvtrain, standard stack": strategy_workload(
-                spec, batches, lambda: standard_stack(precision, fresh(folders["nvtrain"])), device=device
-            ),
-        },
-        rounds=rounds,
-    )
-    no_plugins = ratio(timings["nvtrain, no plugins"], timings["bare loop"])
-    stack = ratio(timings["nvtrain, standard stack"], timings["hand-written stack"])
-    return {
-        "per_step_us": {name: {"median": t.median / 1e3, "min": t.min / 1e3} for name, t in timings.items()},
-        "ratio_no_plugins": no_plugins.to_dict(),
-        "ratio_standard_stack": stack.to_dict(),
-    }
+def _ratio_text(figures: dict[str, float]) -> str:
+    return f"{figures['median']:.3f}x (min {figures['min']:.3f}x)"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
+
+
+def _size(value: int | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 1e6:.1f} MB" if value >= 1e6 else f"{value / 1e3:.1f} kB"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    gpu = f" ({report['gpu']})" if "gpu" in report else ""
+    print(f"gpu_check: {report['device']}{gpu}, torch {report['torch']}")
+    for label, model in report["models"].items():
+        print(f"model {label}: MLP {model['spec']}, {model['steps']} steps x {model['rounds']} rounds")
+        loop = model["loop"]
+        print("  loop cost, no checkpoints (whole run / steps):")
+        for name, figures in loop["per_step"].items():
+            print(f"    {name:36s} {figures['median_us']:10.1f} us/step (min {figures['min_us']:.1f})")
+        print(f"    nvtrain / bare loop:               {_ratio_text(loop['ratio_no_plugins'])}")
+        print(f"    standard stack / hand-written:     {_ratio_text(loop['ratio_standard_stack'])}")
+        ckpt = model["checkpoint"]
+        print(f"  checkpoint cost (a save every {ckpt['every']} steps and at the end):")
+        for name, figures in ckpt["per_step"].items():
+            print(f"    {name:36s} {figures['median_us']:10.1f} us/step (min {figures['min_us']:.1f})")
+        for name, save in ckpt["saves"].items():
+            rate = save["write_mb_per_s"]
+            print(
+                f"    {name:36s} blocked {_ms(save['blocked_ms_per_save'])}/save, writer {_ms(save['writer_ms_per_save'])}"
+                f"/save, {_size(save['bytes_per_save'])}/save, {'-' if rate is None else f'{rate:.0f} MB/s'}"
+                + (f", end of run {_ms(save['end_of_run_ms'])}" if save["end_of_run_ms"] is not None else "")
+            )
+        print(f"    sync save / durable hand-written:  {_ratio_text(ckpt['ratio_sync_vs_hand_written_durable'])}")
+        print(f"    async save / durable hand-written: {_ratio_text(ckpt['ratio_async_vs_hand_written_durable'])}")
+        during = ckpt["async_steps_during_writes"]
+        if "ratio" in during:
+            print(
+                f"    async: steps during a write {during['step_us_during_writes']:.1f} us vs "
+                f"{during['step_us_without']:.1f} us without ({during['ratio']:.3f}x; "
+                f"{during['steps_during_writes']} / {during['steps_without']} steps)"
+            )
+        else:
+            print(f"    async: too few steps during a write to compare ({during})")
+        if "sync_check" in model:
+            print(f"  sync check: {model['sync_check']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke run")
-    parser.add_argument("--model", choices=sorted(MODELS), default="gpu", help="gpu (default) or tiny")
+    parser.add_argument("--device", default="cuda", help="cuda (default: the current CUDA device), cuda:N, or cpu")
+    parser.add_argument(
+        "--model",
+        action="append",
+        choices=sorted(MODELS),
+        help="gpu, small or tiny; repeatable (default: gpu and small)",
+    )
     parser.add_argument("--steps", type=int, default=200, help="steps per timed run (default 200)")
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per candidate (default 3)")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=CHECKPOINT_EVERY,
+        help=f"steps between saves (default {CHECKPOINT_EVERY}; at most half the steps)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--json-out", type=Path, help="also write the report as JSON to this file")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if args.steps < 3 or args.rounds < 1 or args.checkpoint_every < 1:
+        parser.error("--steps must be >= 3, --rounds and --checkpoint-every >= 1")
+    device = resolve_device(args.device)
+    if device is None:
         print("gpu_check: skipped: no CUDA device (GPU figures are not measured on this machine)")
         return 0
-    spec = MODELS[args.model]
-    report: dict[str, Any] = {"device": str(device), "model": spec.label}
+    every = min(args.checkpoint_every, max(1, args.steps // 2))
+    report: dict[str, Any] = {"device": str(device), "torch": torch.__version__, "models": {}}
     if device.type == "cuda":
-        report["gpu"] = torch.cuda.get_device_name(device)
         torch.cuda.set_device(device)
+        report["gpu"] = torch.cuda.get_device_name(device)
     directory = Path(tempfile.mkdtemp(prefix="nvtrain-gpu-check-"))
     status = 0
     try:
-        if device.type == "cuda":
-            try:
-                report["sync_check"] = check_no_sync(spec, device, args.steps, directory / "sync")
-            except RuntimeError as err:
-                report["sync_check"] = {"error": str(err)}
-                status = 1
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        report["overhead"] = overhead(spec, device, args.steps, args.rounds, directory)
+        for label in args.model or ["gpu", "small"]:
+            spec = MODELS[label]
+            model: dict[str, Any] = {"spec": spec.label, "steps": args.steps, "rounds": args.rounds}
+            report["models"][label] = model
+            if device.type == "cuda":
+                try:
+                    model["sync_check"] = check_no_sync(spec, device, args.steps, every, directory / f"sync-{label}")
+                except RuntimeError as err:
+                    model["sync_check"] = {"error": str(err)}
+                    status = 1
+            model["loop"] = loop_cost(spec, device, args.steps, args.rounds)
+            model["checkpoint"] = checkpoint_cost(spec, device, args.steps, args.rounds, every, directory / label)
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(directory)
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"device {report['device']} {report.get('gpu', '')}, model MLP {report['model']}")
-        for name, figures in report["overhead"]["per_step_us"].items():
-            print(f"  {name:26s} {figures['median']:10.1f} us/step (min {figures['min']:.1f})")
-        for key in ("ratio_no_plugins", "ratio_standard_stack"):
-            figures = report["overhead"][key]
-            print(f"  {key}: {figures['median']:.3f}x (min {figures['min']:.3f}x)")
-        if "sync_check" in report:
-            print(f"  sync check: {report['sync_check']}")
+        print_report(report)
     return status
 
 

@@ -1,0 +1,125 @@
+"""benchmarks/gpu_check.py: skips cleanly without CUDA, runs on the CPU, resolves a bare ``cuda``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+TIMEOUT_S = 300
+
+
+def run_script(*args: str, hide_cuda: bool = False) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("NVTRAIN_")}
+    env["OMP_NUM_THREADS"] = "1"
+    if hide_cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
+@pytest.fixture
+def gpu_check() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_without_cuda_it_skips_with_status_0() -> None:
+    process = run_script(hide_cuda=True)
+    assert process.returncode == 0, process.stderr[-4000:]
+    lines = process.stdout.splitlines()
+    assert len(lines) == 1 and "skipped" in lines[0] and "no CUDA device" in lines[0]
+
+
+def test_a_bare_cuda_device_gets_the_current_index(gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cuda.set_device(torch.device("cuda")) raises "Expected a torch.device with a specified index"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert gpu_check.resolve_device("cuda") == torch.device("cuda", 3)
+    assert gpu_check.resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert gpu_check.resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.resolve_device("cuda") is None
+
+
+def test_durable_save_leaves_only_the_published_file(gpu_check: ModuleType, tmp_path: Path) -> None:
+    size = gpu_check.durable_save({"weight": torch.ones(4)}, tmp_path / "step_1.pt")
+    assert [p.name for p in tmp_path.iterdir()] == ["step_1.pt"]
+    assert size == (tmp_path / "step_1.pt").stat().st_size
+    assert torch.equal(torch.load(tmp_path / "step_1.pt", weights_only=True)["weight"], torch.ones(4))
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_reports_loop_and_checkpoint_cost_apart(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    process = run_script("--device", "cpu", "--model", "tiny", "--steps", "20", "--json-out", str(out))
+    assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-4000:]
+    assert "loop cost, no checkpoints" in process.stdout and "checkpoint cost" in process.stdout
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and list(report["models"]) == ["tiny"]
+    model = report["models"]["tiny"]
+    assert "sync_check" not in model  # CUDA only
+    loop = model["loop"]
+    assert set(loop["per_step"]) == {
+        "bare loop",
+        "nvtrain, no plugins",
+        "hand-written stack",
+        "nvtrain, standard stack",
+    }
+    assert loop["ratio_no_plugins"]["median"] > 0 and loop["ratio_standard_stack"]["median"] > 0
+    checkpoint = model["checkpoint"]
+    assert checkpoint["every"] == 10  # capped at half the steps, so a short run still saves
+    for name, save in checkpoint["saves"].items():
+        assert save["saves"] > 0, name
+        assert save["bytes_per_save"] > 0 and save["writer_ms_per_save"] > 0 and save["write_mb_per_s"] > 0, name
+        assert save["blocked_ms_per_save"] > 0, name
+    assert checkpoint["saves"]["nvtrain, checkpoint (async)"]["end_of_run_ms"] is not None
+    assert checkpoint["ratio_sync_vs_hand_written_durable"]["median"] > 0
+    assert checkpoint["ratio_async_vs_hand_written_durable"]["median"] > 0
+    assert "steps_during_writes" in checkpoint["async_steps_during_writes"]
+
+
+# -- benchmarks/gpu_suite.sh ------------------------------------------------------------------------------
+
+SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
+
+
+def test_gpu_suite_parses() -> None:
+    process = subprocess.run(["bash", "-n", str(SUITE)], capture_output=True, text=True, timeout=60, check=False)
+    assert process.returncode == 0, process.stderr
+
+
+def test_gpu_suite_without_cuda_exits_0_and_writes_nothing(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("NVTRAIN_")}
+    env |= {"CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
+    process = subprocess.run(
+        ["bash", str(SUITE), str(tmp_path / "yardsticks"), "report"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert process.returncode == 0, process.stdout + process.stderr
+    assert process.stdout.startswith("gpu_suite: no CUDA device") and process.stdout.count("\n") == 1
+    assert not (tmp_path / "report").exists()
