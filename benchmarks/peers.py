@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import itertools
 import json
 import logging
 import statistics
@@ -155,7 +156,7 @@ def measure(steps: int, rounds: int) -> dict[str, Any]:
             stamps: list[int] = []
             runners[label](Stamped(batches, stamps))
             if index:
-                intervals[label].extend(b - a for a, b in zip(stamps[1:-1], stamps[2:]))
+                intervals[label].extend(b - a for a, b in itertools.pairwise(stamps))
     base = _figures(intervals["hand-written loop"])
     results = {}
     for label, values in intervals.items():

@@ -19,6 +19,8 @@ from nvtrain.validation import ValidationConfig, ValidationLoop
 __version__ = "0.1.0"
 
 __all__ = [
+    "PRIORITY_FIRST",
+    "PRIORITY_LAST",
     "CheckpointableHook",
     "DistributedManager",
     "Hook",
@@ -37,8 +39,6 @@ __all__ = [
     "ValidationConfig",
     "ValidationLoop",
     "__version__",
-    "PRIORITY_FIRST",
-    "PRIORITY_LAST",
     "hookimpl",
     "hookspec",
     "schedules",

@@ -704,9 +704,10 @@ def _plan_resume(plan: Plan, built: Built, rank: int, world_size: int, fresh: Ma
     loaded = plan.loaded
     now = _plain(converter().unstructure(plan.config))
     built.effective_config = now
-    hooks = [h for h in plan.hooks if callable(getattr(h, "resume_checkpoint", None))]
-    for hook in hooks:
-        hook.run_config = now  # type: ignore[attr-defined]  # stored in each manifest
+    # the checkpoint plugin's hooks (resume_checkpoint, read_manifest, run_config)
+    hooks: list[Any] = [h for h in plan.hooks if callable(getattr(h, "resume_checkpoint", None))]
+    for resumer in hooks:
+        resumer.run_config = now  # stored in each manifest
     if not hooks:
         return
     hook = hooks[0]

@@ -343,7 +343,7 @@ def make_batches(
     ]
 
 
-class StampedBatches:
+class StampedBatches(Sequence[Any]):
     """Batches that stamp ``perf_counter_ns`` as each one is handed out, for per-step times.
 
     A hand-written loop and ``TrainingStrategy.run()`` read the same object, so each
@@ -361,7 +361,7 @@ class StampedBatches:
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, index: int) -> Any:
+    def __getitem__(self, index: Any) -> Any:  # an int, or a slice for the warm-up batches
         return self.batches[index]
 
     def __iter__(self) -> Iterator[Any]:

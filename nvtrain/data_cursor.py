@@ -59,7 +59,7 @@ class _RemainingBatches:
         if self._replica is None or self._real is None:
             return
         state = self._replica.get_state()
-        if not torch.equal(state, self._seen):
+        if self._seen is None or not torch.equal(state, self._seen):
             self._seen = state
             self._real.set_state(state)
 
@@ -172,8 +172,8 @@ def _shadow_index_sampler(loader: DataLoader[Any]) -> tuple[Any, torch.Generator
     Returns ``(index_sampler, replica, real)``; without such a generator both are None and
     the loader's own index sampler is iterated (its draws, if any, are made at the first pull).
     """
-    batch_sampler = loader.batch_sampler
-    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    batch_sampler: Any = loader.batch_sampler
+    sampler: Any = batch_sampler.sampler if batch_sampler is not None else loader.sampler
     real = getattr(sampler, "generator", None) if type(sampler) is RandomSampler else None
     if real is None:
         return loader._index_sampler, None, None

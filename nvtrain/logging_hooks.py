@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from nvtrain.hookspecs import hookimpl
-from nvtrain.validators import float_in_range, int_at_least, optional_int_at_least
+from nvtrain.validators import int_at_least, optional_int_at_least
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext

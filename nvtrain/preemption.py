@@ -33,7 +33,7 @@ __all__ = ["PreemptionWatcher", "SignalLike", "collective_device", "resolve_sign
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 SignalLike = int | str | signal.Signals
 

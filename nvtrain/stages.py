@@ -7,8 +7,8 @@ import enum
 __all__ = [
     "BATCH_STAGES",
     "REPLACEMENT_STAGES",
-    "TrainingStage",
     "UPDATE_STAGES",
+    "TrainingStage",
 ]
 
 

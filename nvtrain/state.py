@@ -41,8 +41,8 @@ __all__ = [
     "capture_state",
     "check_state",
     "checkpointable_hooks",
-    "hook_state_key",
     "find_checkpoint_reader",
+    "hook_state_key",
     "load_state",
     "strategy_hooks",
     "unwrap_model",
@@ -462,7 +462,7 @@ def find_checkpoint_reader(hooks: Iterable[object] = ()) -> Callable[[str | os.P
     for entry_point in importlib.metadata.entry_points(group=PROJECT_NAME, name=READER_ENTRY_POINT):
         try:
             module = entry_point.load()
-        except Exception as err:  # noqa: BLE001  (reported below with the entry point's name)
+        except Exception as err:
             failures.append(f"entry point {entry_point.value!r} failed to import: {type(err).__name__}: {err}")
             continue
         reader = getattr(module, "read_checkpoint", None)

@@ -42,7 +42,7 @@ from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device,
 from nvtrain.validators import int_at_least, optional_int_at_least
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 __all__ = ["StepScheduler", "StepSchedulerConfig"]
 
@@ -115,7 +115,7 @@ def _restore_rng(state: dict[str, Any], generators: Sequence[torch.Generator]) -
             f"dataloader has {len(generators)} generator(s); build the loader the same way as the saved run"
         )
     torch.set_rng_state(state["torch"])
-    for generator, generator_state in zip(generators, saved):
+    for generator, generator_state in zip(generators, saved, strict=False):
         generator.set_state(generator_state)
 
 

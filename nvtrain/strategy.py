@@ -103,6 +103,15 @@ def _as_factories(field_name: str) -> Callable[[Any], dict[str, Callable[..., An
     return convert
 
 
+def _as_optimizers(value: Any) -> dict[str, OptimizerFactory]:
+    """Optimizer factories by model name; a bare one means ``"main"``."""
+    return _as_factories("optimizers")(value)
+
+
+def _as_hooks(value: Iterable[object]) -> tuple[object, ...]:
+    return tuple(value)
+
+
 def _as_schedules(value: Any) -> dict[str, LRSchedule]:
     """Factories (or LRSchedules) by optimizer name; a bare one means ``"main"``."""
     if isinstance(value, LRSchedule):
@@ -164,11 +173,11 @@ class TrainingStrategy:
     """
 
     models: dict[str, torch.nn.Module] = attrs.field(converter=_as_models)
-    optimizers: dict[str, OptimizerFactory] = attrs.field(converter=_as_factories("optimizers"))
+    optimizers: dict[str, OptimizerFactory] = attrs.field(converter=_as_optimizers)
     loss_fn: Callable[[Any, Any], torch.Tensor] = attrs.field()
     lr_schedulers: dict[str, LRSchedule] = attrs.field(factory=dict, converter=_as_schedules)
     forward_fn: Callable[[TrainingContext], Any] | None = None
-    hooks: Sequence[object] = attrs.field(factory=tuple, converter=tuple)
+    hooks: Sequence[object] = attrs.field(factory=tuple, converter=_as_hooks)
     device: torch.device = attrs.field(default=None, converter=_as_device)
     num_epochs: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     max_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
@@ -750,12 +759,12 @@ class TrainingStrategy:
         if not errors:
             return
         if pending is not None:
-            for err in errors:
-                pending.add_note(f"while closing hooks, {type(err).__name__}: {err}")
+            for failure in errors:
+                pending.add_note(f"while closing hooks, {type(failure).__name__}: {failure}")
             return
         first = errors[0]
-        for err in errors[1:]:
-            first.add_note(f"another hook failed to close: {type(err).__name__}: {err}")
+        for failure in errors[1:]:
+            first.add_note(f"another hook failed to close: {type(failure).__name__}: {failure}")
         raise first
 
     def __enter__(self) -> TrainingStrategy:

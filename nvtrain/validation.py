@@ -38,7 +38,7 @@ class ValidationConfig:
 
     @use_mixed_precision.validator
     def _check_amp(self, attribute: attrs.Attribute[Any], value: object) -> None:
-        if value not in (True, False, "auto") or isinstance(value, int) and not isinstance(value, bool):
+        if value not in (True, False, "auto") or (isinstance(value, int) and not isinstance(value, bool)):
             raise ValueError(f"ValidationConfig.use_mixed_precision must be True, False or 'auto' (got {value!r})")
 
     @property

@@ -134,7 +134,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
 
 
@@ -185,7 +185,7 @@ def test_the_cursor_gives_the_replayed_batches_without_reading_the_skipped_ones(
     assert reads == replay_reads[-unread:]  # exactly the samples after the position, in the same order
     assert _same(expected, got)
     assert torch.equal(expected_rng, torch.get_rng_state())
-    for gen_a, gen_b in zip(_generators(replay_loader), _generators(loader)):
+    for gen_a, gen_b in zip(_generators(replay_loader), _generators(loader), strict=True):
         assert torch.equal(gen_a.get_state(), gen_b.get_state())
 
 

@@ -132,7 +132,7 @@ def test_bad_arguments_are_named() -> None:
         DistributedManager.initialize(find_unused_parameters=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="backend must be a non-empty str"):
         DistributedManager.initialize(backend="")
-    with pytest.raises(TypeError, match="DistributedManager.broadcast_buffers must be a bool"):
+    with pytest.raises(TypeError, match=r"DistributedManager\.broadcast_buffers must be a bool"):
         DistributedManager().broadcast_buffers = "yes"  # type: ignore[assignment]
 
 
@@ -250,7 +250,7 @@ def test_two_processes_initialise_gloo_from_the_torchrun_environment(tmp_path: P
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    for proc, out in zip(procs, outputs):
+    for proc, out in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, out
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -107,7 +107,7 @@ def test_vetoed_step_leaves_parameters_optimizer_and_scheduler_unchanged(
 
     strategy.train_batch(b1)  # vetoed
     assert strategy.ctx.step_skipped is True
-    for before, after in zip(params, model.parameters()):
+    for before, after in zip(params, model.parameters(), strict=True):
         assert torch.equal(before, after)
     after_state = optimizer.state_dict()
     for key, values in state["state"].items():
@@ -462,7 +462,7 @@ def test_update_hook_stages_must_be_a_non_empty_subset(make_strategy: Any, stage
 def test_two_orchestrators_are_refused(make_strategy: Any) -> None:
     first = TrainingUpdateOrchestrator([Recording("a", [])])
     second = TrainingUpdateOrchestrator([Recording("b", [])])
-    with pytest.raises(ValueError, match="TrainingStrategy.hooks holds 2 TrainingUpdateOrchestrators"):
+    with pytest.raises(ValueError, match=r"TrainingStrategy\.hooks holds 2 TrainingUpdateOrchestrators"):
         make_strategy([first, second])
     strategy = make_strategy([first])
     with pytest.raises(ValueError, match="already has a TrainingUpdateOrchestrator"):

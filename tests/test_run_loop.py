@@ -98,7 +98,7 @@ def test_registered_accumulation_matches_one_big_batch_per_window() -> None:
         inputs, targets = torch.cat([x for x, _ in window]), torch.cat([y for _, y in window])
         torch.nn.functional.mse_loss(reference(inputs), targets).backward()
         optimizer.step()
-    for ours, theirs in zip(strategy.ctx.models["main"].parameters(), reference.parameters()):
+    for ours, theirs in zip(strategy.ctx.models["main"].parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=ATOL)
 
 
@@ -169,7 +169,7 @@ def test_a_second_run_continues_where_the_first_stopped(make_strategy: Any) -> N
     twice.max_steps = 7
     result = twice.run(loader)
     assert result.step_count == 7
-    assert len(seen) == len(expected) and all(torch.equal(a, b) for a, b in zip(seen, expected))
+    assert len(seen) == len(expected) and all(torch.equal(a, b) for a, b in zip(seen, expected, strict=True))
 
 
 # -- predicates at the step boundary --------------------------------------------------------------------
@@ -312,8 +312,8 @@ def test_resume_in_before_training_is_bitwise(at: int) -> None:
     resumed = resumable_strategy([Restorer(saver.saved), record])
     result = resumed.run(shuffled())
     assert result.step_count == straight.ctx.step_count == 12
-    assert len(seen) == len(expected) and all(torch.equal(a, b) for a, b in zip(seen, expected))
-    for ours, theirs in zip(resumed.ctx.models["main"].parameters(), straight.ctx.models["main"].parameters()):
+    assert len(seen) == len(expected) and all(torch.equal(a, b) for a, b in zip(seen, expected, strict=True))
+    for ours, theirs in zip(resumed.ctx.models["main"].parameters(), straight.ctx.models["main"].parameters(), strict=True):
         assert torch.equal(ours, theirs)
 
 

@@ -14,8 +14,15 @@ import pytest
 
 import nvtrain
 from nvtrain import config as config_module
-from nvtrain.hooks import GradientAccumulationHook, GradientClippingHook, ModulePatchHook, SpikeSkipHook
-from nvtrain.hooks import EarlyStoppingHook, StageTimingHook, TrainableParameterHook
+from nvtrain.hooks import (
+    EarlyStoppingHook,
+    GradientAccumulationHook,
+    GradientClippingHook,
+    ModulePatchHook,
+    SpikeSkipHook,
+    StageTimingHook,
+    TrainableParameterHook,
+)
 from nvtrain.logging_hooks import CSVLoggerHook, ProgressBarHook, TensorBoardHook
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -52,14 +52,14 @@ def test_training_stage_has_the_eighteen_members_with_reference_values() -> None
 
 
 def test_stage_groups() -> None:
-    assert REPLACEMENT_STAGES == {TrainingStage.DO_BACKWARD, TrainingStage.DO_OPTIMIZER_STEP}
-    assert UPDATE_STAGES == {
+    assert {TrainingStage.DO_BACKWARD, TrainingStage.DO_OPTIMIZER_STEP} == REPLACEMENT_STAGES
+    assert {
         TrainingStage.BEFORE_BATCH,
         TrainingStage.DO_BACKWARD,
         TrainingStage.DO_OPTIMIZER_STEP,
         TrainingStage.AFTER_OPTIMIZER_STEP,
-    }
-    assert BATCH_STAGES == {TrainingStage(v) for v in range(4, 16)}
+    } == UPDATE_STAGES
+    assert {TrainingStage(v) for v in range(4, 16)} == BATCH_STAGES
 
 
 def test_one_hookspec_per_stage_named_after_it_taking_ctx() -> None:
@@ -95,7 +95,7 @@ def test_hookspecs_module_docstring_draws_the_loop_in_stage_order() -> None:
         assert line in doc
     # Every stage appears as ``name(ctx)``; the training stages in firing order.
     positions = [doc.find(f"{stage.hook_name}(ctx)") for stage in TrainingStage]
-    assert all(p >= 0 for p in positions), dict(zip(TrainingStage, positions))
+    assert all(p >= 0 for p in positions), dict(zip(TrainingStage, positions, strict=True))
     assert positions == sorted(positions)
     # The per-batch stages sit inside the micro-batch loop, the epoch stages around it.
     loop = doc.index("for micro-batch in window:")

@@ -194,27 +194,24 @@ def test_hooks_are_closed_after_an_exception_and_it_propagates(make_strategy: An
     )
     inner = ClosingUpdate(log)
     strategy.register_hook(inner)
-    with pytest.raises(RuntimeError, match="loss exploded"):
-        with strategy:
-            strategy.train_batch(batches(1)[0])
+    with pytest.raises(RuntimeError, match="loss exploded"), strategy:
+        strategy.train_batch(batches(1)[0])
     # reverse registration order, every hook once
     assert log == ["update", "seed", "update", "observer"]
 
 
 def test_hooks_of_a_pre_composed_orchestrator_are_closed(make_strategy: Any) -> None:
     log: list[str] = []
-    with pytest.raises(KeyError):
-        with make_strategy([ClosingUpdate(log) + ClosingUpdate(log)]):
-            raise KeyError("inside")
+    with pytest.raises(KeyError), make_strategy([ClosingUpdate(log) + ClosingUpdate(log)]):
+        raise KeyError("inside")
     assert log == ["update", "update"]
 
 
 def test_close_failure_during_an_exception_is_noted_not_swallowed(make_strategy: Any) -> None:
     log: list[str] = []
     strategy = make_strategy([Closing(log, "bad", fail=True), Closing(log, "good")])
-    with pytest.raises(ValueError, match="original") as info:
-        with strategy:
-            raise ValueError("original")
+    with pytest.raises(ValueError, match="original") as info, strategy:
+        raise ValueError("original")
     assert log == ["good", "bad"]
     assert any("OSError: bad could not close" in note for note in info.value.__notes__)
 
@@ -222,9 +219,8 @@ def test_close_failure_during_an_exception_is_noted_not_swallowed(make_strategy:
 def test_close_failure_without_a_pending_exception_is_raised(make_strategy: Any) -> None:
     log: list[str] = []
     strategy = make_strategy([Closing(log, "bad", fail=True), Closing(log, "good")])
-    with pytest.raises(OSError, match="bad could not close"):
-        with strategy:
-            pass
+    with pytest.raises(OSError, match="bad could not close"), strategy:
+        pass
     assert log == ["good", "bad"]
 
 
@@ -370,7 +366,7 @@ def test_run_trains_the_model_like_a_hand_written_loop(make_strategy: Any, batch
         mse(reference(x), y).backward()
         optimizer.step()
     strategy.run(data)
-    for ours, theirs in zip(strategy.ctx.models["main"].parameters(), reference.parameters()):
+    for ours, theirs in zip(strategy.ctx.models["main"].parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs)
 
 

@@ -66,7 +66,7 @@ def _make_converter() -> Any:
         for index, item in enumerate(value):
             try:
                 items.append(converter.structure(item, item_type))
-            except Exception as err:  # noqa: BLE001 - gathered with its index, re-raised in one group below
+            except Exception as err:
                 err.add_note(IterableValidationNote(f"Structuring {cls} @ index {index}", index, item_type))
                 errors.append(err)
         if errors:

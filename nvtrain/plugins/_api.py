@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 
-class PluginStatus(str, enum.Enum):
+class PluginStatus(enum.StrEnum):
     """Where a listed plugin stands."""
 
     #: Imported; its hook classes are listed.

@@ -19,7 +19,7 @@ from nvtrain.hookspecs import PROJECT_NAME
 from nvtrain.plugins._describe import HookInfo, describe_hook_class
 from nvtrain.plugins._errors import PluginLoadError
 
-__all__ = ["ENTRY_POINT_GROUP", "EntryPointRecord", "LoadFailure", "LoadedPlugin", "REGISTRY", "Registry"]
+__all__ = ["ENTRY_POINT_GROUP", "REGISTRY", "EntryPointRecord", "LoadFailure", "LoadedPlugin", "Registry"]
 
 #: The entry-point group plugins register under.
 ENTRY_POINT_GROUP = PROJECT_NAME

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -107,16 +108,18 @@ def test_a_run_that_keeps_improving_runs_to_its_end() -> None:
     with make_strategy([hook, seen], lr=0.05, num_epochs=4, val_seed=1) as strategy:  # validate on training data
         result = strategy.run(make_batches(STEPS_PER_EPOCH, seed=1))
     losses = [float(s["loss"]) for s in seen.summaries]
-    assert all(later < earlier for earlier, later in zip(losses, losses[1:]))  # the premise: it improves
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses))  # the premise: it improves
     assert result.stop_reason is None and result.step_count == 4 * STEPS_PER_EPOCH
     assert hook.best == pytest.approx(losses[-1]) and hook.wait == 0
 
 
 def test_a_missing_metric_names_the_key_and_the_keys_present() -> None:
     hook = EarlyStoppingHook(monitor="f1")
-    with make_strategy([hook]) as strategy:
-        with pytest.raises(KeyError, match=r"no 'f1' to monitor \(its keys: loss, accuracy, num_samples\)"):
-            strategy.run(make_batches(STEPS_PER_EPOCH, seed=1))
+    with (
+        make_strategy([hook]) as strategy,
+        pytest.raises(KeyError, match=r"no 'f1' to monitor \(its keys: loss, accuracy, num_samples\)"),
+    ):
+        strategy.run(make_batches(STEPS_PER_EPOCH, seed=1))
 
 
 def test_a_standalone_validate_is_counted_but_stops_nothing() -> None:

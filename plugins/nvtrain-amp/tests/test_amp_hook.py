@@ -450,7 +450,7 @@ def test_injected_inf_skips_the_step_and_lowers_the_scale(device: str) -> None:
     assert not [w for w in caught if "lr_scheduler" in str(w.message)]
     assert ctx.step_skipped is True
     assert (ctx.step_count, ctx.global_step_count, ctx.batch_count) == (0, 0, 1)
-    assert all(torch.equal(a, b) for a, b in zip(before, params_of(strategy)))
+    assert all(torch.equal(a, b) for a, b in zip(before, params_of(strategy), strict=True))
     assert hook.scaler.get_scale() == 512.0
     assert ctx.lr_schedulers["main"].last_epoch == 0
     assert ctx.optimizers["main"].param_groups[0]["lr"] == 0.1
@@ -473,7 +473,7 @@ def test_veto_after_unscale_keeps_the_scaler_consistent(device: str) -> None:
     before = params_of(strategy)
     strategy.train_batch(batches[1])  # vetoed after unscale_
     assert strategy.ctx.step_skipped is True
-    assert all(torch.equal(a, b) for a, b in zip(before, params_of(strategy)))
+    assert all(torch.equal(a, b) for a, b in zip(before, params_of(strategy), strict=True))
     for batch in batches[2:]:
         strategy.train_batch(batch)
     assert strategy.ctx.step_count == 4
@@ -495,7 +495,7 @@ def test_fp16_with_spike_skipping_after_unscale_trains_on(device: str) -> None:
     for batch in batches:
         before = params_of(strategy)
         strategy.train_batch(batch)
-        changed = not all(torch.equal(a, b) for a, b in zip(before, params_of(strategy)))
+        changed = not all(torch.equal(a, b) for a, b in zip(before, params_of(strategy), strict=True))
         steps.append((strategy.ctx.step_skipped, changed))
     assert spike.skipped_steps == 1
     assert steps == [(False, True)] * 3 + [(True, False)] + [(False, True)] * 3
@@ -545,7 +545,7 @@ def test_fused_optimizer_skip_is_reported() -> None:
     before = params_of(strategy)
     strategy.train_batch(batches[0])
     assert strategy.ctx.step_skipped is True
-    assert all(torch.equal(a, b) for a, b in zip(before, params_of(strategy)))
+    assert all(torch.equal(a, b) for a, b in zip(before, params_of(strategy), strict=True))
     strategy.train_batch(batches[1])
     assert strategy.ctx.step_skipped is False
     assert strategy.ctx.step_count == 1

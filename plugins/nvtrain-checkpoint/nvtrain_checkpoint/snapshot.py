@@ -64,7 +64,7 @@ class _Copier:
         if kind is list or kind is tuple:
             same = type(previous) is kind and len(previous) == len(value)
             olds = previous if same else (None,) * len(value)
-            items = [self.copy(item, old, f"{path}[{index}]") for index, (item, old) in enumerate(zip(value, olds))]
+            items = [self.copy(item, old, f"{path}[{index}]") for index, (item, old) in enumerate(zip(value, olds, strict=False))]
             return items if kind is list else tuple(items)
         if kind is set:
             return {self.copy(item, None, f"{path} (a set member)") for item in value}

@@ -119,7 +119,7 @@ def assert_same(expected: Any, actual: Any, path: str = "") -> None:
             assert_same(expected[key], actual[key], f"{path}[{key!r}]")
     elif isinstance(expected, (list, tuple)):
         assert isinstance(actual, (list, tuple)) and len(expected) == len(actual), f"{path}: lengths differ"
-        for index, (a, b) in enumerate(zip(expected, actual)):
+        for index, (a, b) in enumerate(zip(expected, actual, strict=True)):
             assert_same(a, b, f"{path}[{index}]")
     else:
         assert expected == actual, f"{path}: {expected!r} != {actual!r}"
@@ -241,7 +241,7 @@ def _gloo_worker(rank: int, directory: str, port: int, out: str) -> None:
             fresh.load_state_dict(state)
             same = all(
                 torch.equal(a, b)
-                for a, b in zip(fresh.ctx.models["main"].state_dict().values(), strategy.ctx.models["main"].state_dict().values())
+                for a, b in zip(fresh.ctx.models["main"].state_dict().values(), strategy.ctx.models["main"].state_dict().values(), strict=True)
             )
             report[mode] = {
                 "written": list(written),

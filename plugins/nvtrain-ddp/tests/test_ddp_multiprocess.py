@@ -55,7 +55,7 @@ def _wait(procs: list[subprocess.Popen[str]]) -> list[str]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"distributed workers did not finish within {TIMEOUT_S} s")
-    for proc, out in zip(procs, outputs):
+    for proc, out in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, f"worker exited with {proc.returncode}:\n{out}"
     return outputs
 
@@ -111,13 +111,13 @@ def load(out: Path, name: str) -> dict[str, Any]:
 
 def assert_same_across_ranks(first: list[torch.Tensor], second: list[torch.Tensor]) -> None:
     assert len(first) == len(second)
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b), "DDP ranks hold different parameters"
 
 
 def assert_close_to(params: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
     assert len(params) == len(reference)
-    for got, want in zip(params, reference):
+    for got, want in zip(params, reference, strict=True):
         torch.testing.assert_close(got, want, rtol=0.0, atol=ATOL)
 
 
@@ -221,5 +221,5 @@ def test_nccl_two_gpus_match_one_process(tmp_path: Path) -> None:
         assert result["wrapped"] and result["step_count"] == 4
     assert_same_across_ranks(ranks[0]["params"], ranks[1]["params"])
     # the reference ran on the CPU; fp32 GPU kernels sum in another order
-    for got, want in zip(ranks[0]["params"], load(out, "reference.pt")["params"]):
+    for got, want in zip(ranks[0]["params"], load(out, "reference.pt")["params"], strict=True):
         torch.testing.assert_close(got, want, rtol=0.0, atol=1e-5)

@@ -196,12 +196,12 @@ class _UpdatePlan:
                 "EMAHook: the averaged copy does not have the model's parameters and buffers "
                 "(did modify_ema_methods() change the module tree?)"
             )
-        averaged_pairs = list(zip(dst_params, src_params))
+        averaged_pairs = list(zip(dst_params, src_params, strict=False))
         copied_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         if use_buffers:
-            averaged_pairs += list(zip(dst_buffers, src_buffers))
+            averaged_pairs += list(zip(dst_buffers, src_buffers, strict=False))
         else:
-            copied_pairs += list(zip(dst_buffers, src_buffers))
+            copied_pairs += list(zip(dst_buffers, src_buffers, strict=False))
         lerp = [(d, s) for d, s in averaged_pairs if d.is_floating_point() or d.is_complex()]
         copied_pairs += [(d, s) for d, s in averaged_pairs if not (d.is_floating_point() or d.is_complex())]
         return cls(

@@ -162,11 +162,11 @@ def test_ema_weights_equal_a_hand_computation() -> None:
     strategy.run(make_batches(4))
     expected = record.model_weights[0]  # the first update copies the weights
     for step_weights in record.model_weights[1:]:
-        expected = [0.9 * e + 0.1 * w for e, w in zip(expected, step_weights)]
+        expected = [0.9 * e + 0.1 * w for e, w in zip(expected, step_weights, strict=True)]
     averaged = ema.get_averaged_model()
     assert ema.num_updates == 4
     assert int(averaged.n_averaged) == 4
-    for got, want in zip(averaged.module.parameters(), expected):
+    for got, want in zip(averaged.module.parameters(), expected, strict=True):
         torch.testing.assert_close(got.detach(), want, **TOL)
     # and it is an average, not the model
     assert not torch.equal(next(averaged.module.parameters()), record.model_weights[-1][0])
@@ -186,7 +186,7 @@ def test_copy_is_made_at_before_training_from_the_initial_weights() -> None:
             seen.append(weights(ema.get_averaged_model().module))
 
     make_strategy([ema, Peek()], model=model).run(make_batches(1))
-    assert all(torch.equal(a, b) for a, b in zip(seen[0], initial))
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], initial, strict=True))
 
 
 def test_update_is_one_multi_tensor_op_without_host_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -398,7 +398,7 @@ def test_state_round_trip_resumes_bitwise() -> None:
     resumed._ensure_set_up(None)
     resumed.ctx.optimizers["main"].load_state_dict(optimizer_state)
     resumed.ctx.step_count = 3
-    for got, want in zip(resumed_ema.get_averaged_model().state_dict().values(), ema_state["averaged"].values()):
+    for got, want in zip(resumed_ema.get_averaged_model().state_dict().values(), ema_state["averaged"].values(), strict=True):
         assert torch.equal(got, want)
 
     for batch in batches[3:]:
@@ -406,7 +406,7 @@ def test_state_round_trip_resumes_bitwise() -> None:
         resumed.train_batch(batch)
     assert resumed_ema.num_updates == ema.num_updates == 5
     for got, want in zip(
-        resumed_ema.get_averaged_model().state_dict().values(), ema.get_averaged_model().state_dict().values()
+        resumed_ema.get_averaged_model().state_dict().values(), ema.get_averaged_model().state_dict().values(), strict=False
     ):
         assert torch.equal(got, want)
 
@@ -419,12 +419,12 @@ def test_load_into_an_existing_copy_and_mismatch() -> None:
     make_strategy([other]).run(make_batches(4, seed=3))
     other.load_state_dict(state)
     assert other.num_updates == 2
-    for got, want in zip(other.get_averaged_model().module.parameters(), ema.get_averaged_model().module.parameters()):
+    for got, want in zip(other.get_averaged_model().module.parameters(), ema.get_averaged_model().module.parameters(), strict=True):
         assert torch.equal(got, want)
 
     wrong = EMAHook()
     make_strategy([wrong], model=torch.nn.Linear(4, 1)).run(make_batches(1))
-    with pytest.raises(ValueError, match="EMAHook.load_state_dict: the saved averaged weights do not fit model 'main'"):
+    with pytest.raises(ValueError, match=r"EMAHook\.load_state_dict: the saved averaged weights do not fit model 'main'"):
         wrong.load_state_dict(state)
     with pytest.raises(ValueError, match=r"EMAHook.load_state_dict: the state lacks \['averaged'\]"):
         wrong.load_state_dict({"num_updates": 1})
