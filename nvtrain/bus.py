@@ -43,6 +43,8 @@ from nvtrain.hookspecs import PRIORITY_ATTRIBUTE, PROJECT_NAME
 from nvtrain.stages import REPLACEMENT_STAGES, TrainingStage
 
 if TYPE_CHECKING:
+    from pluggy import HookimplOpts
+
     from nvtrain.context import TrainingContext
 
 __all__ = ["TRACE_ENV", "HookBus"]
@@ -56,6 +58,7 @@ StageCaller = Callable[["TrainingContext"], list[Any]]
 SlotCaller = Callable[["TrainingContext"], Any]
 
 _STAGE_NAMES = tuple(stage.hook_name for stage in TrainingStage)
+_STAGE_BY_NAME = {stage.hook_name: stage for stage in TrainingStage}
 _MARKER = PROJECT_NAME + "_impl"
 
 
@@ -122,6 +125,18 @@ class _BusPluginManager(pluggy.PluginManager):
         self._sequence[registered] = next(self._counter)
         self._on_change()
         return registered
+
+    def parse_hookimpl_opts(self, plugin: object, name: str) -> HookimplOpts | None:
+        """pluggy's discovery, plus ``active_stages``: a plugin that declares it implements only those.
+
+        The built-in orchestrator declares the stages its update hooks use, so a stage
+        none of them needs costs nothing per micro-batch.
+        """
+        opts = super().parse_hookimpl_opts(plugin, name)
+        active = getattr(plugin, "active_stages", None)
+        if opts is not None and active is not None and name in _STAGE_BY_NAME and _STAGE_BY_NAME[name] not in active:
+            return None
+        return opts
 
     def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
         if name is None and plugin is not None:

@@ -70,6 +70,13 @@ class TrainingUpdateOrchestrator:
             (h, uses_gradients(h), defers_step(h)) for h in self._by_stage[_DO_OPTIMIZER_STEP]
         )
         self._after_step_hooks = self._by_stage[_AFTER_OPTIMIZER_STEP]
+        #: The stages this orchestrator implements on the bus: the two DO slots always, BEFORE_BATCH
+        #: and AFTER_OPTIMIZER_STEP only when a hook runs there (the bus reads this declaration).
+        self.active_stages: frozenset[TrainingStage] = frozenset(
+            {_DO_BACKWARD, _DO_OPTIMIZER_STEP}
+            | ({_BEFORE_BATCH} if self._before_batch_hooks else set())
+            | ({_AFTER_OPTIMIZER_STEP} if self._after_step_hooks else set())
+        )
         self._may_veto = {
             stage: frozenset(id(h) for h in self._by_stage[stage] if may_veto(h, stage))
             for stage in (_BEFORE_BATCH, _DO_OPTIMIZER_STEP)
@@ -115,10 +122,7 @@ class TrainingUpdateOrchestrator:
     @hookimpl
     def before_batch(self, ctx: TrainingContext) -> bool | None:
         """Ask the hooks whether to zero gradients; ``False`` is a veto on the bus."""
-        hooks = self._before_batch_hooks
-        if not hooks:
-            return None
-        vetoer = _first_veto(hooks, ctx, _BEFORE_BATCH, self._may_veto[_BEFORE_BATCH])
+        vetoer = _first_veto(self._before_batch_hooks, ctx, _BEFORE_BATCH, self._may_veto[_BEFORE_BATCH])
         self._zeroing_vetoed_by = vetoer
         return False if vetoer is not None else None
 

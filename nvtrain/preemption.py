@@ -227,7 +227,7 @@ class PreemptionWatcher:
             if _is_rank_zero():
                 logger.warning("stop requested (%s): stopping at this step", self.stop_reason)
         if not agreed:
-            return self.stopping
+            return self.stop_reason is not None
         if _is_rank_zero():
             received = self.received_signal
             source = signal.Signals(received).name if received is not None else "another rank"

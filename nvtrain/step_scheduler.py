@@ -415,7 +415,7 @@ class StepScheduler:
         """The step boundary: record the window's data as consumed and poll preemption once."""
         self._provisional = False
         self._open = False
-        self._count_skips(stepped)
+        self.consecutive_skipped_steps = 0 if stepped else self.consecutive_skipped_steps + 1
         self._position = self._pulled
         self._epoch_done = self._window_is_last
         if self._window_is_last and self.synchronized_stream:
@@ -425,9 +425,6 @@ class StepScheduler:
         last = stop_agreed or self._reaches_the_end()
         self._boundary = _BOUNDARIES[stepped, self._window_is_last, bool(last)]
         return self._watcher.preempted
-
-    def _count_skips(self, stepped: bool) -> None:
-        self.consecutive_skipped_steps = 0 if stepped else self.consecutive_skipped_steps + 1
 
     def _check_divergence(self) -> None:
         """Before the next window: stop a run whose optimizer has not stepped for too long.

@@ -675,3 +675,26 @@ def test_tryfirst_and_trylast_break_ties_among_equal_priorities() -> None:
 def test_a_plugin_that_implements_no_stage_is_refused(make_strategy: Any) -> None:
     with pytest.raises(TypeError, match="object implements no stage"):
         make_strategy([object()])
+
+
+def test_active_stages_limits_what_a_plugin_implements(make_strategy: Any) -> None:
+    class Partial:
+        active_stages = frozenset({S.AFTER_LOSS})
+
+        @nvtrain.hookimpl
+        def after_loss(self, ctx: Any) -> str:
+            return "loss"
+
+        @nvtrain.hookimpl
+        def after_backward(self, ctx: Any) -> str:
+            return "backward"
+
+    bus = HookBus(trace=False)
+    bus.register(Partial())
+    ctx = nvtrain.TrainingContext()
+    assert bus.after_loss(ctx) == ["loss"]
+    assert bus.after_backward is bus_module._no_results
+    # the orchestrator of a strategy without update hooks implements the two DO slots only
+    strategy = make_strategy([])
+    assert strategy.bus.before_batch is bus_module._no_results
+    assert strategy.bus.after_optimizer_step is bus_module._no_results
