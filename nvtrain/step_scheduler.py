@@ -337,8 +337,9 @@ class StepScheduler:
         self._iterating = True
         watcher = self._watcher
         try:
-            while not watcher.stopping and not self._training_done():
-                self._check_divergence()
+            while not (watcher.preempted or watcher.stop_reason is not None) and not self._training_done():
+                if self.consecutive_skipped_steps:  # only then can the skipped-step limit be reached
+                    self._check_divergence()
                 if self._replay is not None:
                     window, is_last = self._replay
                     self._replay = None
