@@ -5,7 +5,7 @@ from __future__ import annotations
 from nvtrain import schedules
 from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
-from nvtrain.distributed import DistributedManager
+from nvtrain.distributed import DeviceAssignmentError, DistributedManager
 from nvtrain.hook import PRIORITY_FIRST, PRIORITY_LAST, CheckpointableHook, Hook, TrainingUpdateHook
 from nvtrain.hookspecs import hookimpl, hookspec
 from nvtrain.lr_schedule import LRSchedule
@@ -22,6 +22,7 @@ __all__ = [
     "PRIORITY_FIRST",
     "PRIORITY_LAST",
     "CheckpointableHook",
+    "DeviceAssignmentError",
     "DistributedManager",
     "Hook",
     "HookBus",
