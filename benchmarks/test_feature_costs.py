@@ -17,7 +17,6 @@ Checkpoint save blocking (sync against async) is measured in test_checkpoint_blo
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -97,19 +96,6 @@ def test_ema_averaged_model_update_parameters(benchmark: Any, scale: Any, model:
 
 
 # -- gradient all-reduces under accumulation -----------------------------------------------------
-
-
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A real gloo process group of one process (an in-memory store: no ports)."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 class _AllReduceCounter:

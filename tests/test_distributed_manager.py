@@ -33,17 +33,6 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     DistributedManager.cleanup()
 
 
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    """A gloo process group of one, created by the test (not by the manager)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _expected_default_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
