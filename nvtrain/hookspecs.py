@@ -2,30 +2,37 @@
 
 Read this module first: it is the loop as the plugins see it. Every stage of
 :class:`~nvtrain.stages.TrainingStage` has one hookspec named after it
-(``stage.name.lower()``), called with the single keyword ``ctx``
-(a :class:`~nvtrain.context.TrainingContext`)::
+(``stage.name.lower()``: ``BEFORE_BATCH`` is ``before_batch(ctx)``), called with
+the single keyword ``ctx`` (a :class:`~nvtrain.context.TrainingContext`). The
+whole run, with the stage fired at each point::
 
-    setup(ctx)                                  once; ctx.train_loader may be replaced
-    (optimizers and LR schedulers are built)
-    before_training(ctx)
+    SETUP                                   wrap models, patch modules, swap the loader
+    (optimizers and LR schedulers are built from the possibly wrapped models)
+    BEFORE_TRAINING
     for epoch:
-        before_epoch(ctx)
-        for window in the step scheduler:       one optimizer step per window
+        BEFORE_EPOCH
+        for window (one optimizer step) in the step scheduler:
             for micro-batch in window:
-                before_batch(ctx)               False from anyone vetoes zero_grad
-                before_forward(ctx); forward; after_forward(ctx)
-                before_loss(ctx); loss; after_loss(ctx)
-                before_backward(ctx)
-                do_backward(ctx)                firstresult slot: the orchestrator
-                after_backward(ctx)
-                before_optimizer_step(ctx)
-                do_optimizer_step(ctx)          firstresult slot: the orchestrator
-                after_optimizer_step(ctx)       ctx.step_skipped is final here
-                after_batch(ctx)
-            validation / checkpoint / preemption decisions for the step
-        after_epoch(ctx)
-    after_training(ctx)
-    after_validation(ctx)                       inside validate(), summary in ctx.validation
+                BEFORE_BATCH                -> gradients zeroed unless vetoed
+                BEFORE_FORWARD; forward; AFTER_FORWARD
+                BEFORE_LOSS; loss; AFTER_LOSS
+                BEFORE_BACKWARD
+                DO_BACKWARD                 -> loss transforms chained, backward() once
+                AFTER_BACKWARD
+                BEFORE_OPTIMIZER_STEP
+                DO_OPTIMIZER_STEP           -> optimizers + LR schedulers step unless vetoed
+                AFTER_OPTIMIZER_STEP        (ctx.step_skipped: did the step happen?)
+                AFTER_BATCH
+            validation / checkpoint / preemption decisions for this step
+        AFTER_EPOCH
+    AFTER_TRAINING
+
+    validate(): ... AFTER_VALIDATION       fires once the validation summary exists
+
+This is the one drawing of the loop (docs/stages.md shows it, and a test keeps
+the two equal). ``before_batch`` returning ``False`` vetoes gradient zeroing;
+``do_backward`` and ``do_optimizer_step`` are ``firstresult`` slots that the
+built-in update orchestrator owns.
 
 Return values are ignored except where a spec says otherwise. The order of the
 implementations of a stage is one rule, implemented in :mod:`nvtrain.bus`:

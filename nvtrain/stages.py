@@ -15,30 +15,8 @@ __all__ = [
 class TrainingStage(enum.IntEnum):
     """Where a hook fires. Values follow the reference documents (SETUP=1 ... AFTER_VALIDATION=18).
 
-    The whole run, with the stage fired at each point::
-
-        SETUP                                   wrap models, patch modules, swap the loader
-        (optimizers and LR schedulers are built from the possibly wrapped models)
-        BEFORE_TRAINING
-        for epoch:
-            BEFORE_EPOCH
-            for window (one optimizer step) in the step scheduler:
-                for micro-batch in window:
-                    BEFORE_BATCH                -> gradients zeroed unless vetoed
-                    BEFORE_FORWARD; forward; AFTER_FORWARD
-                    BEFORE_LOSS; loss; AFTER_LOSS
-                    BEFORE_BACKWARD
-                    DO_BACKWARD                 -> loss transforms chained, backward() once
-                    AFTER_BACKWARD
-                    BEFORE_OPTIMIZER_STEP
-                    DO_OPTIMIZER_STEP           -> optimizers + LR schedulers step unless vetoed
-                    AFTER_OPTIMIZER_STEP        (ctx.step_skipped: did the step happen?)
-                    AFTER_BATCH
-                validation / checkpoint / preemption decisions for this step
-            AFTER_EPOCH
-        AFTER_TRAINING
-
-        validate(): ... AFTER_VALIDATION       fires once the validation summary exists
+    The loop, with the stage fired at each point, is drawn once: at the top of
+    :mod:`nvtrain.hookspecs`, where each stage's hookspec says what it is for.
     """
 
     SETUP = 1

@@ -68,3 +68,15 @@ def test_doc_opens_with_the_loop_picture() -> None:
 def test_doc_covers_ordering_wrappers_and_tracing() -> None:
     text = DOC.read_text(encoding="utf-8")
     assert "priority" in text and "wrapper=True" in text and "NVTRAIN_TRACE" in text
+
+
+def _diagram(text: str, indent: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("SETUP "))
+    end = next(i for i, line in enumerate(lines) if "AFTER_VALIDATION" in line and i > start)
+    return [line[len(indent):] if line.startswith(indent) else line for line in lines[start : end + 1]]
+
+
+def test_the_docs_show_the_one_drawing_of_the_loop() -> None:
+    assert hookspecs.__doc__ is not None
+    assert _diagram(DOC.read_text(encoding="utf-8"), "") == _diagram(hookspecs.__doc__, "    ")
