@@ -21,10 +21,14 @@ __all__ = [
     "FieldProblem",
     "FieldTypeError",
     "FieldValueError",
+    "a_bool",
     "float_in_range",
     "int_at_least",
+    "non_empty_str",
     "number_above",
+    "optional_bool",
     "optional_int_at_least",
+    "optional_non_empty_str",
     "optional_number_above",
     "strict_bool",
     "strict_int",
@@ -134,6 +138,21 @@ def float_in_range(low: float, high: float, *, include_low: bool = False, includ
 
     return _validator(f"in {interval}", accepts)
 
+
+def non_empty_str(what: str = "string") -> Validator:
+    """A non-empty str; the message calls it "a non-empty ``what``" (``model name``, ``backend name``)."""
+    return _validator(f"a non-empty {what}", lambda v: isinstance(v, str) and bool(v))
+
+
+def optional_non_empty_str(what: str = "string") -> Validator:
+    """None, or a non-empty str."""
+    return _validator(f"a non-empty {what}", lambda v: isinstance(v, str) and bool(v), or_none=True)
+
+
+#: A bool; raises :class:`FieldTypeError` ("must be a bool").
+a_bool: Validator = _validator("a bool", lambda v: isinstance(v, bool), error=FieldTypeError)
+#: None or a bool; raises :class:`FieldTypeError` ("must be a bool or None").
+optional_bool: Validator = _validator("a bool", lambda v: isinstance(v, bool), or_none=True, error=FieldTypeError)
 
 #: True or False, nothing else (not 0 or 1); raises :class:`FieldTypeError`.
 strict_bool: Validator = _validator("True or False", lambda v: isinstance(v, bool), error=FieldTypeError)

@@ -18,6 +18,7 @@ from torch.utils.data import DistributedSampler
 
 import nvtrain
 from nvtrain.distributed import TorchrunEnv, default_backend
+from nvtrain.validators import a_bool, optional_bool, optional_non_empty_str
 from nvtrain_ddp.sampler import distributed_loader, has_distributed_sampler, samplers_of, unsupported_reason
 
 __all__ = ["DDPHook"]
@@ -48,21 +49,6 @@ def _as_model_keys(value: Any) -> tuple[str, ...] | None:
     if len(set(keys)) != len(keys):
         raise ValueError(f"DDPHook.model_keys names a model twice (got {value!r})")
     return keys
-
-
-def _optional_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(f"DDPHook.{attribute.name} must be a bool or None (got {value!r})")
-
-
-def _bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"DDPHook.{attribute.name} must be a bool (got {value!r})")
-
-
-def _optional_backend(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ValueError(f"DDPHook.backend must be a backend name such as 'nccl' or 'gloo', or None (got {value!r})")
 
 
 def _as_callable(value: Any) -> Callable[..., Any]:
@@ -126,15 +112,15 @@ class DDPHook:
     #: Models to wrap; None wraps every model that has an optimizer.
     model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_model_keys)
     #: None: the distributed manager's setting when it has one, else False.
-    find_unused_parameters: bool | None = attrs.field(default=None, validator=_optional_bool)
+    find_unused_parameters: bool | None = attrs.field(default=None, validator=optional_bool)
     #: None: the distributed manager's setting when it has one, else False.
-    broadcast_buffers: bool | None = attrs.field(default=None, validator=_optional_bool)
-    static_graph: bool = attrs.field(default=False, validator=_bool)
+    broadcast_buffers: bool | None = attrs.field(default=None, validator=optional_bool)
+    static_graph: bool = attrs.field(default=False, validator=a_bool)
     #: Explicit process group; None: the manager's, else the default group.
     process_group: Any = None
     #: Backend when this hook initialises torch.distributed (None: NCCL on CUDA, gloo otherwise).
-    backend: str | None = attrs.field(default=None, validator=_optional_backend)
-    auto_init: bool = attrs.field(default=True, validator=_bool)
+    backend: str | None = attrs.field(default=None, validator=optional_non_empty_str("backend name such as 'nccl' or 'gloo'"))
+    auto_init: bool = attrs.field(default=True, validator=a_bool)
     sampler_cls: Callable[..., Any] = attrs.field(default=DistributedSampler, converter=_as_callable)
     sampler_kwargs: dict[str, Any] = attrs.field(factory=dict, converter=_as_sampler_kwargs)
 

@@ -12,16 +12,11 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import nvtrain
 from nvtrain import TrainingStage
 from nvtrain.distributed import unwrap_model
-from nvtrain.validators import float_in_range, int_at_least, strict_bool, strict_int
+from nvtrain.validators import float_in_range, int_at_least, non_empty_str, strict_bool, strict_int
 
 __all__ = ["EMAHook", "unwrap_model"]
 
 _AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
-
-
-def _non_empty_str(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"EMAHook.{attribute.name} must be a non-empty model name (got {value!r})")
 
 
 @attrs.define(eq=False)
@@ -50,7 +45,7 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     vetoes = frozenset()
 
     #: Key of the source model in ``ctx.models``.
-    model_key: str = attrs.field(default="main", validator=_non_empty_str)
+    model_key: str = attrs.field(default="main", validator=non_empty_str("model name"))
     #: EMA decay factor in [0.0, 1.0).
     decay: float = attrs.field(default=0.999, validator=float_in_range(0.0, 1.0, include_low=True))
     #: Update when the completed-step count is divisible by this (global modulo).
