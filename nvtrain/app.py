@@ -55,9 +55,12 @@ __all__ = [
     "Plan",
     "TrainOutcome",
     "build",
+    "build_from_checkpoint",
     "builtin_hook_classes",
+    "config_import_paths",
     "prepare",
     "train",
+    "trusted_packages",
 ]
 
 logger = logging.getLogger(__name__)
@@ -312,8 +315,7 @@ def _build_hooks(loaded: LoadedConfig, search: Sequence[Path]) -> list[object]:
 
 def _unknown_hook(name: str, builtin: Mapping[str, type], installed: set[str], missing: Sequence[str]) -> str:
     """Why ``name`` names no hook: a typo, or a plugin the ``NVTRAIN_PLUGINS`` allow-list hides."""
-    from nvtrain.plugins import ALLOW_LIST_ENV
-    from nvtrain.plugins._environment import allow_list
+    from nvtrain.plugins import ALLOW_LIST_ENV, allow_list
 
     allowed = allow_list()
     if allowed is not None and name in {record.name for record in _all_entry_points()}:
@@ -332,9 +334,9 @@ def _unknown_hook(name: str, builtin: Mapping[str, type], installed: set[str], m
 
 
 def _all_entry_points() -> Sequence[Any]:
-    from nvtrain.plugins._registry import REGISTRY
+    from nvtrain.plugins import entry_points
 
-    return REGISTRY.records()
+    return entry_points()
 
 
 def plugins_build(cls: type, settings: Mapping[str, Any], name: str) -> Any:
@@ -432,7 +434,9 @@ class Built:
     effective_config: dict[str, Any] = attrs.field(factory=dict)
 
 
-def build(plan: Plan, manager: Any = None) -> Built:
+def build(
+    plan: Plan, manager: Any = None, *, strategy_cls: type | None = None, overrides: Mapping[str, Any] | None = None
+) -> Built:
     """Build model, loaders, optimizer, LR scheduler, hooks and the strategy; decide the resume.
 
     Nothing is trained and nothing is written. A factory that refuses its arguments
@@ -440,7 +444,8 @@ def build(plan: Plan, manager: Any = None) -> Built:
     mixed-precision hooks), an empty training loader, a corrupt checkpoint to resume
     from, or a config change a resume cannot honour raises a located
     :class:`~nvtrain.config.ConfigError`: ``nvtrain validate`` and ``nvtrain train``
-    report it in one line with exit status 2.
+    report it in one line with exit status 2. ``strategy_cls`` and ``overrides`` (constructor
+    arguments that replace the config's) serve ``TrainingStrategy.load_checkpoint``.
     """
     from nvtrain.strategy import TrainingStrategy
     from nvtrain.validation import ValidationConfig
@@ -499,17 +504,20 @@ def build(plan: Plan, manager: Any = None) -> Built:
         loaded,
         ("hooks",),
         "the training strategy",
-        lambda: TrainingStrategy(
-            models=model,
-            optimizers=plan.optimizer_factory,
-            loss_fn=plan.loss_fn,
-            lr_schedulers=schedulers,
-            forward_fn=plan.forward_fn,
-            hooks=plan.hooks,  # type: ignore[arg-type]  # mypy misreads the field's converter=tuple
-            device=None if config.device == "auto" else config.device,
-            validation=validation,
-            step_scheduler=config.trainer,
-            distributed_manager=manager,
+        lambda: (strategy_cls or TrainingStrategy)(
+            **{
+                "models": model,
+                "optimizers": plan.optimizer_factory,
+                "loss_fn": plan.loss_fn,
+                "lr_schedulers": schedulers,
+                "forward_fn": plan.forward_fn,
+                "hooks": plan.hooks,
+                "device": None if config.device == "auto" else config.device,
+                "validation": validation,
+                "step_scheduler": config.trainer,
+                "distributed_manager": manager,
+                **(overrides or {}),
+            }
         ),
     )
     holder["strategy"] = strategy
@@ -519,6 +527,93 @@ def build(plan: Plan, manager: Any = None) -> Built:
     _plan_resume(plan, built, rank, world_size, fresh)
     watch.effective_config = built.effective_config
     return built
+
+
+# -- a checkpoint on its own ------------------------------------------------------------------------------
+
+#: Top-level packages whose import paths a checkpoint's run config may always name.
+TRUSTED_PACKAGES = ("torch", "nvtrain")
+
+
+def config_import_paths(run_config: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(config key, "module:attr")`` for every import path a resolved run config names; imports nothing.
+
+    Built-in names (a schedule alias, a built-in metric) count as the path they stand
+    for; a hook named by a built-in or installed plugin name is no import path.
+    """
+    from nvtrain.builtin.metrics import BUILTIN_METRICS
+    from nvtrain.schedules import ALIASES
+
+    def section(name: str) -> Mapping[str, Any]:
+        value = run_config.get(name)
+        return value if isinstance(value, Mapping) else {}
+
+    found: list[tuple[str, str]] = []
+    for key in ("model.factory", "model.forward_fn", "data.factory", "loss.function", "optimizer.factory"):
+        part, _, field = key.partition(".")
+        value = section(part).get(field)
+        if isinstance(value, str):
+            found.append((key, value))
+    factory = section("lr_scheduler").get("factory")
+    if isinstance(factory, str):
+        found.append(("lr_scheduler.factory", ALIASES.get(factory, factory)))
+    metrics = section("validation").get("metrics")
+    for index, metric in enumerate(metrics if isinstance(metrics, list) else []):
+        if isinstance(metric, str):
+            found.append((f"validation.metrics[{index}]", BUILTIN_METRICS.get(metric, metric)))
+    builtin = builtin_hook_classes()
+    plugins = {record.name for record in _all_entry_points()}
+    hooks = run_config.get("hooks")
+    for index, entry in enumerate(hooks if isinstance(hooks, list) else []):
+        name = entry.get("name") if isinstance(entry, Mapping) else entry
+        if isinstance(name, str) and name not in builtin and name.partition(":")[0] not in plugins:
+            found.append((f"hooks[{index}].name", name))
+    return found
+
+
+def trusted_packages(trust: Sequence[str] = ()) -> tuple[str, ...]:
+    """``torch``, ``nvtrain``, the installed nvtrain plugins' top-level modules and ``trust``."""
+    plugins = {record.value.partition(":")[0].split(".")[0].strip() for record in _all_entry_points()}
+    return tuple(dict.fromkeys([*TRUSTED_PACKAGES, *sorted(p for p in plugins if p), *trust]))
+
+
+def _is_trusted(spec: str, packages: Sequence[str]) -> bool:
+    module = spec.partition(":")[0].strip()
+    return any(module == package or module.startswith(f"{package}.") for package in packages)
+
+
+def build_from_checkpoint(
+    run_config: Mapping[str, Any],
+    source: str,
+    *,
+    trust: Sequence[str] = (),
+    strategy_cls: type | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Built:
+    """Build what ``nvtrain train`` builds from the run config saved with a checkpoint (``source``).
+
+    Every import path the config names is checked against :func:`trusted_packages`
+    before anything is imported: a checkpoint is data, and its config must not run code
+    the caller did not choose. Untrusted paths raise a :class:`~nvtrain.errors.ResumeError`
+    listing them.
+    """
+    from nvtrain.config.structure import structure_config
+
+    if isinstance(trust, str):
+        trust = (trust,)
+    packages = trusted_packages(trust)
+    refused = [(key, spec) for key, spec in config_import_paths(run_config) if not _is_trusted(spec, packages)]
+    if refused:
+        listed = ", ".join(f"{key} = {spec!r}" for key, spec in refused)
+        names = sorted({spec.partition(":")[0].split(".")[0] for _, spec in refused})
+        raise ResumeError(
+            f"the run config saved in {source} names import paths outside the trusted packages "
+            f"({', '.join(packages)}): {listed}. Nothing was imported. A checkpoint is data; to let it "
+            f"run that code, trust the package(s) by name: TrainingStrategy.load_checkpoint(path, trust={names!r})"
+        )
+    loaded = LoadedConfig(config=None, source=f"the run config of {source}", directory=None)  # type: ignore[arg-type]
+    loaded = attrs.evolve(loaded, config=structure_config(dict(run_config), loaded.locate))
+    return build(prepare(loaded), strategy_cls=strategy_cls, overrides=overrides)
 
 
 def _constructing(loaded: LoadedConfig, path: tuple[str | int, ...], what: str, make: Callable[[], Any]) -> Any:

@@ -82,7 +82,7 @@ def _stages(hook: HookInfo) -> str:
 
 
 def _notes(allow_env: str, autoload_env: str) -> list[str]:
-    from nvtrain.plugins._environment import allow_list, autoload_disabled
+    from nvtrain.plugins import allow_list, autoload_disabled
 
     notes = []
     allowed = allow_list()

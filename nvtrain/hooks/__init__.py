@@ -53,6 +53,6 @@ def __getattr__(name: str) -> Any:
     """
     if not name[:1].isupper():
         raise AttributeError(f"module 'nvtrain.hooks' has no attribute {name!r}")
-    from nvtrain.plugins._exports import resolve_hook_class
+    from nvtrain.plugins import resolve_hook_class
 
     return resolve_hook_class(name, PLUGIN_HOOK_CLASSES)

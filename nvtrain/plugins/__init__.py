@@ -27,20 +27,27 @@ from nvtrain.plugins._api import (
 )
 from nvtrain.plugins._build import build_hook
 from nvtrain.plugins._describe import HookInfo
-from nvtrain.plugins._environment import ALLOW_LIST_ENV, DISABLE_AUTOLOAD_ENV
+from nvtrain.plugins._environment import ALLOW_LIST_ENV, DISABLE_AUTOLOAD_ENV, allow_list, autoload_disabled
 from nvtrain.plugins._errors import (
     PluginError,
     PluginLoadError,
     PluginNotFoundError,
     PluginSettingsError,
 )
-from nvtrain.plugins._registry import ENTRY_POINT_GROUP, HOOKS_ATTRIBUTE
+from nvtrain.plugins._exports import resolve_hook_class
+from nvtrain.plugins._registry import ENTRY_POINT_GROUP, HOOKS_ATTRIBUTE, REGISTRY, EntryPointRecord
+
+
+def entry_points() -> list[EntryPointRecord]:
+    """Every installed plugin's entry point, allowed by ``NVTRAIN_PLUGINS`` or not (nothing is imported)."""
+    return list(REGISTRY.records())
 
 __all__ = [
     "ALLOW_LIST_ENV",
     "DISABLE_AUTOLOAD_ENV",
     "ENTRY_POINT_GROUP",
     "HOOKS_ATTRIBUTE",
+    "EntryPointRecord",
     "HookInfo",
     "PluginError",
     "PluginInfo",
@@ -48,10 +55,14 @@ __all__ = [
     "PluginNotFoundError",
     "PluginSettingsError",
     "PluginStatus",
+    "allow_list",
+    "autoload_disabled",
     "available",
     "build_hook",
+    "entry_points",
     "hook_class",
     "load",
     "load_all",
     "refresh",
+    "resolve_hook_class",
 ]
