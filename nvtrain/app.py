@@ -611,8 +611,13 @@ def build_from_checkpoint(
             f"({', '.join(packages)}): {listed}. Nothing was imported. A checkpoint is data; to let it "
             f"run that code, trust the package(s) by name: TrainingStrategy.load_checkpoint(path, trust={names!r})"
         )
+    data = copy.deepcopy(dict(run_config))
+    overrides = dict(overrides or {})
+    for bound in ("max_steps", "num_epochs"):  # the run's bounds live in the config's trainer section
+        if bound in overrides and isinstance(data.get("trainer"), dict):
+            data["trainer"][bound] = overrides.pop(bound)
     loaded = LoadedConfig(config=None, source=f"the run config of {source}", directory=None)  # type: ignore[arg-type]
-    loaded = attrs.evolve(loaded, config=structure_config(dict(run_config), loaded.locate))
+    loaded = attrs.evolve(loaded, config=structure_config(data, loaded.locate))
     return build(prepare(loaded), strategy_cls=strategy_cls, overrides=overrides)
 
 

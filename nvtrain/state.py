@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COUNTERS",
     "STATE_FORMAT",
+    "apply_loader_generators",
     "apply_rng_state",
     "apply_state",
     "capture_rng_state",
@@ -42,6 +43,7 @@ __all__ = [
     "check_state",
     "checkpointable_hooks",
     "find_checkpoint_reader",
+    "find_manifest_reader",
     "hook_state_key",
     "load_state",
     "strategy_hooks",
@@ -276,6 +278,11 @@ def apply_rng_state(state: Mapping[str, Any], loader: Any = None) -> None:
             )
         for index, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(cuda_state, index)
+    apply_loader_generators(state, loader)
+
+
+def apply_loader_generators(state: Mapping[str, Any], loader: Any) -> None:
+    """Set the loader's sampling generators from an RNG state of :func:`capture_rng_state`."""
     live = _loader_generators(loader)
     for path, gen_state in (state.get("generators") or {}).items():
         generator = live.get(path)
@@ -325,11 +332,16 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
     _apply_hook_states(strategy, state["hooks"], legacy=state.get("hook_keys") != HOOK_KEYS)
     if scheduler:
         apply_scheduler_state(strategy, state)
-    rng = state["rng"]
+    apply_rng_state(_rank_rng(strategy, state), ctx.train_loader)
+
+
+def _rank_rng(strategy: TrainingStrategy, state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """This rank's RNG state: its entry of ``rng_by_rank`` when rank 0 wrote one per rank."""
+    ctx = strategy.ctx
     by_rank = state.get("rng_by_rank")
     if isinstance(by_rank, (list, tuple)) and len(by_rank) == ctx.world_size:
-        rng = by_rank[ctx.rank]
-    apply_rng_state(rng, ctx.train_loader)
+        return by_rank[ctx.rank]  # type: ignore[no-any-return]
+    return state["rng"]  # type: ignore[no-any-return]
 
 
 def apply_scheduler_state(strategy: TrainingStrategy, state: Mapping[str, Any]) -> None:
@@ -410,6 +422,8 @@ class PendingRestore:
         try:
             if self.scheduler_only:
                 apply_scheduler_state(self._strategy, state)
+                # The loader may be new since the restore (or there was none then): its generators too.
+                apply_loader_generators(_rank_rng(self._strategy, state), ctx.train_loader)
             else:
                 apply_state(self._strategy, state)
         except Exception as err:
@@ -473,6 +487,26 @@ def find_checkpoint_reader(hooks: Iterable[object] = ()) -> Callable[[str | os.P
     raise ImportError(
         "reading a checkpoint needs the nvtrain-checkpoint distribution (pip install nvtrain-checkpoint), "
         f"or a hook with read_checkpoint(path) in TrainingStrategy.hooks{detail}"
+    )
+
+
+def find_manifest_reader(hooks: Iterable[object] = ()) -> Callable[[str | os.PathLike[str]], dict[str, Any]]:
+    """``read_manifest(path) -> manifest`` (``path`` a checkpoint or a checkpoint root) from a hook that
+    has one, else from the distribution behind the ``checkpoint`` entry point."""
+    for hook in hooks:
+        reader = getattr(hook, "read_manifest", None)
+        if callable(reader) and not isinstance(hook, type):
+            return reader  # type: ignore[no-any-return]
+    for entry_point in importlib.metadata.entry_points(group=PROJECT_NAME, name=READER_ENTRY_POINT):
+        try:
+            module = entry_point.load()
+        except Exception:
+            continue
+        reader = getattr(module, "read_checkpoint_manifest", None)
+        if callable(reader):
+            return reader  # type: ignore[no-any-return]
+    raise ImportError(
+        "reading a checkpoint's manifest needs the nvtrain-checkpoint distribution (pip install nvtrain-checkpoint)"
     )
 
 

@@ -727,9 +727,59 @@ class TrainingStrategy:
         load_state(self, state, source=f"checkpoint {str(path)!r}")
 
     @classmethod
-    def load_checkpoint(cls, path: Any, **kwargs: Any) -> TrainingStrategy:
-        """Build a strategy from the constructor's arguments and restore the checkpoint at ``path``."""
-        strategy = cls(**kwargs)
+    def load_checkpoint(
+        cls, path: Any, hooks: Iterable[object] | None = None, *, trust: Iterable[str] = (), **overrides: Any
+    ) -> TrainingStrategy:
+        """A strategy restored from the checkpoint at ``path`` now: counters, models, optimizers, LR
+        schedulers and hook states are readable on return; the data position applies at the next ``run()``.
+
+        With the constructor's arguments (``models``, ``optimizers``, ``loss_fn``, ...) the
+        strategy is built from them and ``hooks``. With none, a checkpoint written by
+        ``nvtrain train`` is enough: models, optimizer, LR schedulers, loss and hooks are
+        rebuilt from the run config saved in its manifest (``hooks`` are added to the
+        config's; ``overrides`` replace constructor arguments), and the config's training
+        loader is ``ctx.train_loader``. The config's import paths must lie in ``torch``,
+        ``nvtrain``, an installed nvtrain plugin or a package named in ``trust``; any other
+        is refused before anything is imported.
+        """
+        from nvtrain.errors import ResumeError
+        from nvtrain.state import find_manifest_reader
+
+        extra = tuple(hooks or ())
+        required = ("models", "optimizers", "loss_fn")
+        loader = None
+        if any(name in overrides for name in required):
+            missing = [name for name in required if name not in overrides]
+            if missing:
+                raise TypeError(
+                    f"TrainingStrategy.load_checkpoint: given {[n for n in required if n in overrides]} but not "
+                    f"{missing}; pass all of {list(required)}, or none to rebuild them from the checkpoint's run config"
+                )
+            strategy = cls(hooks=extra, **overrides)
+        else:
+            manifest = find_manifest_reader(extra)(path)
+            run_config = manifest.get("run_config")
+            if not isinstance(run_config, Mapping):
+                raise ResumeError(
+                    f"TrainingStrategy.load_checkpoint({str(path)!r}): missing the arguments models, optimizers and "
+                    "loss_fn. The checkpoint was written from Python, not by `nvtrain train`: its manifest holds no "
+                    "run_config, so nothing says how to build the models, optimizers and loss it restores. Pass "
+                    "them (and lr_schedulers=, hooks=[...] as when it was saved): "
+                    "load_checkpoint(path, hooks=[...], models=..., optimizers=..., loss_fn=...)"
+                )
+            from nvtrain.app import build_from_checkpoint
+
+            built = build_from_checkpoint(
+                run_config,
+                f"checkpoint {str(path)!r}",
+                trust=(trust,) if isinstance(trust, str) else tuple(trust),
+                strategy_cls=cls,
+                overrides=overrides,
+            )
+            strategy, loader = built.strategy, built.train_loader
+            for hook in extra:
+                strategy.register_hook(hook)
+        strategy._ensure_set_up(loader)
         strategy.restore(path)
         return strategy
 

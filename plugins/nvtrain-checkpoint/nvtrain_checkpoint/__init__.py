@@ -4,7 +4,8 @@
     strategy = nvtrain.TrainingStrategy(..., hooks=[checkpoint])
 
 ``read_checkpoint(path)`` is what ``TrainingStrategy.restore`` / ``load_checkpoint``
-use (found through this distribution's ``checkpoint`` entry point).
+use (found through this distribution's ``checkpoint`` entry point); ``read_checkpoint_manifest(path)``
+gives ``load_checkpoint`` the run config saved with a checkpoint written by ``nvtrain train``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from nvtrain_checkpoint.storage import (
     latest_checkpoint,
     list_checkpoints,
     read_checkpoint,
+    read_checkpoint_manifest,
     read_manifest,
     save_checkpoint,
     verify_checkpoint,
@@ -31,6 +33,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "read_checkpoint",
+    "read_checkpoint_manifest",
     "read_manifest",
     "save_checkpoint",
     "snapshot",

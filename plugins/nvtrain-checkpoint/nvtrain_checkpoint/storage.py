@@ -53,6 +53,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "read_checkpoint",
+    "read_checkpoint_manifest",
     "read_manifest",
     "resolve_checkpoint",
     "save_checkpoint",
@@ -380,6 +381,11 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     ):
         raise CheckpointError(f"{file} does not list {STATE_NAME} with its size and sha256")
     return manifest
+
+
+def read_checkpoint_manifest(path: str | os.PathLike[str], rank: int | None = None) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path`` (a ``step_<N>`` directory or a checkpoint root)."""
+    return read_manifest(resolve_checkpoint(path, rank))
 
 
 def verify_file(path: Path, entry: Mapping[str, Any]) -> None:
