@@ -269,6 +269,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
             "windows": windows,
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        dist.barrier()  # no rank tears gloo down while the other still uses it (SIGABRT in gloo)
     finally:
         dist.destroy_process_group()
 

@@ -260,6 +260,7 @@ def run_rank(rank: int, port: int, out_dir: Path) -> None:
             },
             out_dir / f"rank{rank}.pt",
         )
+        dist.barrier()  # no rank tears gloo down while the other still uses it (SIGABRT in gloo)
     finally:
         dist.destroy_process_group()
 
