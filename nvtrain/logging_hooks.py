@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 import attrs
 import torch
 
+from nvtrain.batching import batch_size
 from nvtrain.hookspecs import hookimpl
 from nvtrain.validators import int_at_least, optional_int_at_least
 
@@ -57,19 +58,6 @@ CSV_COLUMNS: tuple[str, ...] = (
 
 #: Observers run after the default-priority hooks at the same stage.
 LOGGING_PRIORITY = 90
-
-
-def _batch_size(batch: Any) -> int:
-    """Samples in a micro-batch, from shapes only (no device access)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        for value in batch.values():
-            return _batch_size(value)
-        return 0
-    if isinstance(batch, (tuple, list)) and batch:
-        return _batch_size(batch[0])
-    return 1
 
 
 def estimate_total_steps(ctx: TrainingContext) -> int | None:
@@ -136,7 +124,7 @@ class StepLogReader:
             value = loss.detach()
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
             self._loss_batches += 1
-        self._samples += _batch_size(ctx.batch)
+        self._samples += batch_size(ctx.batch)
         if ctx.step_skipped:
             return None
         self._steps += 1

@@ -12,6 +12,7 @@ import attrs
 import torch
 
 from nvtrain.adapter import HookAdapter
+from nvtrain.batching import batch_size
 from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
 from nvtrain.hook import (
@@ -627,7 +628,7 @@ class TrainingStrategy:
                 outputs = self.forward_fn(ctx)
             finally:
                 ctx.batch, ctx.models = saved_batch, saved_models
-        return outputs, targets, _batch_size(batch)
+        return outputs, targets, batch_size(batch)
 
     def _validation_models(self, config: ValidationConfig) -> dict[str, torch.nn.Module]:
         models = dict(self.ctx.models)
@@ -850,17 +851,6 @@ def _split_pair(batch: Any) -> tuple[Any, Any]:
         f"the default forward expects batches of (inputs, targets), got {type(batch).__name__}; "
         "pass TrainingStrategy(forward_fn=...) for other batch shapes"
     )
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        for value in batch.values():
-            return _batch_size(value)
-    if isinstance(batch, (tuple, list)) and batch:
-        return _batch_size(batch[0])
-    return 1
 
 
 def _identity(batch: Any) -> Any:

@@ -548,3 +548,14 @@ def test_second_run_on_the_same_loader_keeps_the_setup_replacement(make_strategy
     strategy.run(original)  # continues the same run: the replaced loader is still used
     assert strategy.ctx.train_loader is replacement
     assert strategy.ctx.batch_count == 6
+
+
+def test_batch_size_is_read_from_shapes_with_one_rule() -> None:
+    from nvtrain.batching import batch_size
+
+    assert batch_size(torch.zeros(5, 3)) == 5
+    assert batch_size(torch.tensor(1.0)) == 1
+    assert batch_size({"x": torch.zeros(4, 2), "y": torch.zeros(4)}) == 4
+    assert batch_size({}) == 0  # an empty mapping holds no samples (the validation mean weights it 0)
+    assert batch_size((torch.zeros(6, 1), torch.zeros(6))) == 6
+    assert batch_size("text") == 1
