@@ -151,7 +151,9 @@ for label, model in report["models"].items():
     loop, ckpt = model["loop"], model["checkpoint"]
     print(
         f"gpu_check {label}: no plugins {loop['ratio_no_plugins']['median']:.3f}x, "
-        f"standard stack {loop['ratio_standard_stack']['median']:.3f}x (target <= 1.03x); "
+        f"standard stack {loop['ratio_standard_stack']['median']:.3f}x; steady state: no plugins "
+        f"{loop['steady_ratio_no_plugins']['median']:.3f}x, standard stack "
+        f"{loop['steady_ratio_standard_stack']['median']:.3f}x (target <= 1.03x); "
         f"with durable saves sync {ckpt['ratio_sync_vs_hand_written_durable']['median']:.3f}x, "
         f"async {ckpt['ratio_async_vs_hand_written_durable']['median']:.3f}x; "
         f"steps during a write {ckpt['async_steps_during_writes'].get('ratio', float('nan')):.3f}x; "

@@ -92,14 +92,19 @@ class EMAHook(nvtrain.TrainingUpdateHook):
         self._ensure_averaged()
 
     def get_averaged_model(self) -> AveragedModel:
-        """The averaged copy (an AveragedModel: calling it runs the copied module)."""
-        return self._ensure_averaged()
+        """The averaged copy (an AveragedModel: calling it runs the copied module), its count up to date."""
+        averaged = self._ensure_averaged()
+        assert self._plan is not None
+        self._plan.publish_count()
+        return averaged
 
     # -- checkpoint state ------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """``num_updates`` and the AveragedModel's state (weights, buffers, ``n_averaged``)."""
         if self._averaged is not None:
+            assert self._plan is not None
+            self._plan.publish_count()
             averaged: dict[str, Any] | None = self._averaged.state_dict()
         else:
             averaged = self._pending
@@ -168,7 +173,9 @@ class _UpdatePlan:
 
     ``AveragedModel.update_parameters`` would re-walk both modules every step and read
     its ``n_averaged`` count across devices (a host-device sync per update on CUDA);
-    this keeps the count on the host and touches only the paired lists.
+    this keeps the count on the host and touches only the paired lists. The copy's
+    ``n_averaged`` buffer is written only when someone can see it (its state dict, or
+    the averaged model handed out), not by a kernel launch per update.
     """
 
     averaged: AveragedModel
@@ -217,4 +224,7 @@ class _UpdatePlan:
         if self.copy_dst:
             torch._foreach_copy_(self.copy_dst, self.copy_src)
         self.n_averaged += 1
-        self.averaged.n_averaged.add_(1)  # in place, never read back: no host-device sync
+
+    def publish_count(self) -> None:
+        """Write the host count into the copy's ``n_averaged`` buffer (in place, no host-device sync)."""
+        self.averaged.n_averaged.fill_(self.n_averaged)
