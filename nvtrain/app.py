@@ -694,7 +694,7 @@ def _run_bounds(
         else:
             batches = math.ceil(batches / world)
         counted = _Share(batches)
-    scheduler = trainer._scheduler(
+    scheduler = trainer.create(
         global_batch_size=trainer.global_batch_size or local * world,
         local_batch_size=local,
         dp_size=world,

@@ -69,7 +69,7 @@ def strategy_hooks(strategy: TrainingStrategy) -> list[object]:
     """Every hook given to the strategy (update hooks first), each once."""
     seen: set[int] = set()
     hooks: list[object] = []
-    for hook in strategy._all_hooks():
+    for hook in strategy.registry.hooks():
         if id(hook) not in seen:
             seen.add(id(hook))
             hooks.append(hook)
@@ -441,7 +441,7 @@ def load_state(strategy: TrainingStrategy, state: Mapping[str, Any], source: str
     check_state(state, source)
     ctx = strategy.ctx
     in_run_start = ctx.stage == TrainingStage.BEFORE_TRAINING and ctx.scheduler is not None
-    if not strategy._is_set_up:
+    if not strategy.is_set_up:
         _pending(strategy).hold(state, source, scheduler_only=False)
         return
     try:

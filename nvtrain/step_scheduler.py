@@ -851,7 +851,7 @@ class StepSchedulerConfig:
             global_batch_size = local_batch_size * dp_group_size
         if synchronized_stream is None:
             synchronized_stream = bool(getattr(dataloader, "synchronized_stream", False))
-        return self._scheduler(
+        return self.create(
             global_batch_size=global_batch_size,
             local_batch_size=local_batch_size,
             dp_size=dp_group_size,
@@ -860,11 +860,12 @@ class StepSchedulerConfig:
             synchronized_stream=synchronized_stream,
         )
 
-    def _scheduler(self, **settings: Any) -> StepScheduler:
+    def create(self, **settings: Any) -> StepScheduler:
         """A StepScheduler with every field of this configuration (each names a StepScheduler argument).
 
         ``settings`` gives the runtime arguments (loader, batch sizes, process group)
         and replaces fields where the caller knows better, as the strategy does for
-        the run bounds and where a resumed run starts.
+        the run bounds and where a resumed run starts. :meth:`build` is the short form
+        for a loader and its batch sizes.
         """
         return StepScheduler(**{**attrs.asdict(self, recurse=False), **settings})

@@ -11,24 +11,20 @@ from typing import Any
 import attrs
 import torch
 
-from nvtrain.adapter import HookAdapter
 from nvtrain.batching import batch_size
 from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
 from nvtrain.hook import (
     AccumulatesGradients,
-    AveragesWeights,
-    Hook,
-    ProvidesAutocast,
     TrainingUpdateHook,
     hook_label,
 )
-from nvtrain.hookspecs import PROJECT_NAME
 from nvtrain.lr_schedule import LRSchedule, ScheduledLR, plan_schedules
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
+from nvtrain.registry import HookRegistry
 from nvtrain.stages import TrainingStage
 from nvtrain.step_scheduler import StepScheduler, StepSchedulerConfig
-from nvtrain.validation import ValidationConfig, ValidationLoop
+from nvtrain.validation import ValidationConfig, ValidationLoop, validation_autocast, validation_models
 from nvtrain.validators import optional_int_at_least
 
 __all__ = ["RunResult", "TrainingStrategy"]
@@ -147,12 +143,6 @@ def _check_names(field: str, names: Iterable[str], kind: str, known: Mapping[str
             )
 
 
-def _has_hookimpls(obj: object) -> bool:
-    """Any attribute marked with @nvtrain.hookimpl, also a misspelled one (the bus then names it)."""
-    marker = PROJECT_NAME + "_impl"
-    return any(hasattr(getattr(obj, name, None), marker) for name in dir(obj) if not name.startswith("__"))
-
-
 # -- the strategy -----------------------------------------------------------------------
 
 
@@ -188,9 +178,8 @@ class TrainingStrategy:
     step_scheduler: StepSchedulerConfig | None = attrs.field(default=None, kw_only=True)
 
     ctx: TrainingContext = attrs.field(init=False)
-    _bus: HookBus = attrs.field(init=False)
-    _orchestrator: TrainingUpdateOrchestrator = attrs.field(init=False)
-    _closables: list[object] = attrs.field(init=False, factory=list)
+    #: Every hook of this strategy: the bus, the orchestrator, the registration order.
+    registry: HookRegistry = attrs.field(init=False)
     _is_set_up: bool = attrs.field(init=False, default=False)
     _setup_loader: Any = attrs.field(init=False, default=None)
     _move_batch: Callable[[Any], Any] = attrs.field(init=False)
@@ -231,96 +220,29 @@ class TrainingStrategy:
             strategy=self, models=dict(self.models), device=self.device, rank=rank, world_size=world_size
         )
         self._move_batch = _identity if self.device.type == "cpu" else _mover(self.device)
-        self._bus = HookBus()
-        orchestrators = [h for h in self.hooks if isinstance(h, TrainingUpdateOrchestrator)]
-        if len(orchestrators) > 1:
-            raise ValueError(
-                f"TrainingStrategy.hooks holds {len(orchestrators)} TrainingUpdateOrchestrators; only one "
-                "may own DO_BACKWARD and DO_OPTIMIZER_STEP. Compose update hooks with '+' or pass them bare."
-            )
-        bare = [h for h in self.hooks if isinstance(h, TrainingUpdateHook)]
-        given = list(orchestrators[0].hooks) if orchestrators else []
-        self._orchestrator = TrainingUpdateOrchestrator([*given, *bare])
-        self._bus.register(self._orchestrator, TrainingUpdateOrchestrator.plugin_name)
-        for hook in self.hooks:
-            if isinstance(hook, TrainingUpdateOrchestrator):
-                self._closables.extend(hook.hooks)
-                for inner in hook.hooks:
-                    self._register_observer_side(inner)
-            else:
-                self._register(hook, stage=None)
+        self.registry = HookRegistry(self.hooks)
 
     # -- registration -------------------------------------------------------------------
 
     def register_hook(self, hook: object, stage: TrainingStage | Iterable[TrainingStage] | None = None) -> None:
         """Add a hook after construction (before the run it should see)."""
-        if isinstance(hook, TrainingUpdateOrchestrator):
-            raise ValueError(
-                "this strategy already has a TrainingUpdateOrchestrator; register its hooks one by one instead"
-            )
-        if isinstance(hook, TrainingUpdateHook):
-            if stage is not None:
-                raise ValueError(
-                    f"update hook {hook_label(hook)}: passing stage=... is not supported for update hooks, "
-                    "which declare their stages through the orchestrator ('stages' attribute)"
-                )
-            if any(h is hook for h in self._orchestrator.hooks):
-                raise ValueError(f"update hook {hook_label(hook)} is already registered")
-            new = self._orchestrator + hook  # composition errors surface before anything changes
-            if self._is_set_up:
-                new.bind(self.ctx.optimizers, self._per_step_schedulers())
-            observing = _has_hookimpls(hook)
-            if observing:
-                self._bus.register(hook, getattr(hook, "plugin_name", None))
-            try:
-                self._bus.replace(self._orchestrator, new)
-            except Exception:
-                if observing:
-                    self._bus.unregister(hook)
-                raise
-            self._orchestrator = new
-            self._closables.append(hook)
-            return
-        self._register(hook, stage)
-
-    def _register(self, hook: object, stage: TrainingStage | Iterable[TrainingStage] | None) -> None:
-        if isinstance(hook, TrainingUpdateHook):
-            if stage is not None:
-                raise ValueError(
-                    f"update hook {hook_label(hook)}: passing stage=... is not supported for update hooks"
-                )
-            self._register_observer_side(hook)
-        elif isinstance(hook, Hook):
-            stages = None if stage is None else ([stage] if isinstance(stage, (int, TrainingStage)) else stage)
-            self._bus.register(HookAdapter(hook, stages), getattr(hook, "plugin_name", None))
-        elif stage is not None:
-            raise ValueError(
-                f"plugin {hook_label(hook)}: stage=... applies to nvtrain.Hook instances; a pluggy plugin "
-                "declares its stages through its @nvtrain.hookimpl methods"
-            )
-        else:
-            self._bus.register(hook, getattr(hook, "plugin_name", None))
-        self._closables.append(hook)
-
-    def _before_batch_voters(self) -> list[str]:
-        """The plugins whose BEFORE_BATCH votes are counted, for an error message."""
-        return [impl.plugin_name for impl in self._bus.implementations(_BEFORE_BATCH)]
-
-    def _register_observer_side(self, hook: TrainingUpdateHook) -> None:
-        """An update hook may also observe stages through @hookimpl methods."""
-        if _has_hookimpls(hook):
-            self._bus.register(hook, getattr(hook, "plugin_name", None))
+        self.registry.register(hook, stage)
 
     @property
     def bus(self) -> HookBus:
-        return self._bus
+        return self.registry.bus
 
     @property
     def orchestrator(self) -> TrainingUpdateOrchestrator:
-        return self._orchestrator
+        return self.registry.orchestrator
 
     def update_hooks(self) -> tuple[TrainingUpdateHook, ...]:
-        return self._orchestrator.hooks
+        return self.registry.update_hooks()
+
+    @property
+    def is_set_up(self) -> bool:
+        """Has SETUP run (models moved and wrapped, optimizers and LR schedulers built)?"""
+        return self._is_set_up
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -337,8 +259,8 @@ class TrainingStrategy:
         """
         if train_loader is None:
             raise ValueError("TrainingStrategy.run(train_loader): a loader or iterable of batches is required")
-        ctx, bus = self.ctx, self._bus
-        self._ensure_set_up(train_loader)
+        ctx, bus = self.ctx, self.registry.bus
+        self.setup(train_loader)
         scheduler = self._build_scheduler(ctx.train_loader)
         ctx.scheduler = scheduler
         ctx.preempted = False
@@ -374,7 +296,7 @@ class TrainingStrategy:
 
     def _run_epoch(self, scheduler: StepScheduler, epoch: int) -> None:
         """One epoch (or the rest of it after a resume): windows, step validation, epoch-end work."""
-        ctx, bus = self.ctx, self._bus
+        ctx, bus = self.ctx, self.registry.bus
         ctx.epoch = epoch
         ctx.epoch_step_count = scheduler.position
         ctx.stage = _BEFORE_EPOCH
@@ -428,7 +350,7 @@ class TrainingStrategy:
             global_batch_size = steps * local_batch_size * dp_size
         val_every = [config.val_every_steps, self.validation.every_n_steps if self.validation is not None else None]
         progressed = ctx.step_count > 0 or ctx.epoch > 0 or isinstance(ctx.scheduler, StepScheduler)
-        scheduler = config._scheduler(
+        scheduler = config.create(
             global_batch_size=global_batch_size,
             local_batch_size=local_batch_size,
             dp_size=dp_size,
@@ -464,7 +386,7 @@ class TrainingStrategy:
         return bounds[0], bounds[1]
 
     def _accumulation_hook(self) -> AccumulatesGradients | None:
-        hooks = [h for h in self._orchestrator.hooks if isinstance(h, AccumulatesGradients)]
+        hooks = [h for h in self.registry.update_hooks() if isinstance(h, AccumulatesGradients)]
         if len(hooks) > 1:
             names = ", ".join(hook_label(h) for h in hooks)
             raise ValueError(f"TrainingStrategy: at most one hook may accumulate gradients, got {names}")
@@ -497,7 +419,7 @@ class TrainingStrategy:
 
     def train_batch(self, batch: Any) -> torch.Tensor | None:
         """Run one micro-batch through every batch stage outside ``run()``; returns its loss tensor."""
-        self._ensure_set_up(None)
+        self.setup()
         ctx = self.ctx
         ctx.window_size, ctx.window_position, ctx.sync_gradients = 1, 0, True
         self._train_micro_batch(batch)
@@ -505,10 +427,11 @@ class TrainingStrategy:
 
     def _train_micro_batch(self, batch: Any, boundary: StepScheduler | None = None) -> None:
         """All batch stages for one micro-batch; ``boundary`` closes the scheduler's step after DO_OPTIMIZER_STEP."""
-        ctx, bus = self.ctx, self._bus
+        ctx, registry = self.ctx, self.registry
+        bus = registry.bus
         ctx.batch = self._move_batch(batch)
         ctx.stage = _BEFORE_BATCH
-        self._orchestrator.settle_zeroing(bus.before_batch(ctx), self._before_batch_voters)
+        registry.orchestrator.settle_zeroing(bus.before_batch(ctx), registry.before_batch_voters)
         ctx.stage = _BEFORE_FORWARD
         bus.before_forward(ctx)
         ctx.outputs = self._forward(ctx)
@@ -559,7 +482,13 @@ class TrainingStrategy:
 
     # -- setup ----------------------------------------------------------------------------------
 
-    def _ensure_set_up(self, train_loader: Iterable[Any] | None) -> None:
+    def setup(self, train_loader: Iterable[Any] | None = None) -> None:
+        """Run SETUP once: move the models, let plugins wrap them, build optimizers and LR schedulers.
+
+        ``run()``, ``train_batch()``, ``validate()`` and ``load_checkpoint()`` call it; call it
+        yourself to inspect wrapped models or built optimizers before training. Later calls
+        only take a new ``train_loader``.
+        """
         ctx = self.ctx
         if self._is_set_up:
             # The loader SETUP saw may have been replaced by a plugin (a DDP sampler): keep the
@@ -571,7 +500,7 @@ class TrainingStrategy:
             ctx.models[name] = model.to(self.device)
         ctx.train_loader = train_loader
         ctx.stage = _SETUP
-        self._bus.setup(ctx)
+        self.registry.bus.setup(ctx)
         self._setup_loader = train_loader
         for name, factory in self.optimizers.items():
             params = [p for p in ctx.models[name].parameters() if p.requires_grad]
@@ -587,7 +516,7 @@ class TrainingStrategy:
         for name, schedule in self.lr_schedulers.items():
             ctx.lr_schedulers[name] = schedule.factory(ctx.optimizers[name])
         self._schedules = plan_schedules(self.lr_schedulers, ctx.lr_schedulers)
-        self._orchestrator.bind(ctx.optimizers, self._per_step_schedulers())
+        self.registry.bind(ctx.optimizers, self._per_step_schedulers())
         self._is_set_up = True
 
     # -- validation -----------------------------------------------------------------------------
@@ -598,13 +527,14 @@ class TrainingStrategy:
         loader = loader if loader is not None else config.data
         if loader is None:
             raise ValueError("validate(): no loader given and TrainingStrategy.validation.data is not set")
-        self._ensure_set_up(None)
+        self.setup()
         ctx = self.ctx
-        models = self._validation_models(config)
+        hooks = self.registry.hooks()
+        models = validation_models(ctx.models, hooks, config)
         loop = ValidationLoop(
             forward=self._validation_forward,
             loss_fn=self.loss_fn,
-            autocast=self._validation_autocast(config),
+            autocast=validation_autocast(hooks, config),
             metrics=config.metrics,
         )
         summary = loop.run(models, (self._move_batch(b) for b in loader))
@@ -612,7 +542,7 @@ class TrainingStrategy:
         if ctx.windowed:  # inside run(): a ReduceLROnPlateau steps with this validation's metric
             self._step_schedules("metric")
         ctx.stage = _AFTER_VALIDATION
-        self._bus.after_validation(ctx)
+        self.registry.bus.after_validation(ctx)
         return summary
 
     def _validation_forward(self, models: Mapping[str, torch.nn.Module], batch: Any) -> tuple[Any, Any, int]:
@@ -629,26 +559,6 @@ class TrainingStrategy:
             finally:
                 ctx.batch, ctx.models = saved_batch, saved_models
         return outputs, targets, batch_size(batch)
-
-    def _validation_models(self, config: ValidationConfig) -> dict[str, torch.nn.Module]:
-        models = dict(self.ctx.models)
-        if config.use_ema:
-            averaging = [h for h in self._all_hooks() if isinstance(h, AveragesWeights)]
-            if not averaging:
-                raise ValueError("ValidationConfig.use_ema=True but no EMA hook is registered")
-            for hook in averaging:
-                models[hook.model_key] = hook.get_averaged_model()
-        return models
-
-    def _validation_autocast(self, config: ValidationConfig) -> Callable[[], Any]:
-        if config.use_mixed_precision is False:
-            return contextlib.nullcontext
-        precision = [h for h in self._all_hooks() if isinstance(h, ProvidesAutocast)]
-        if not precision:
-            if config.use_mixed_precision is True:
-                raise ValueError("ValidationConfig.use_mixed_precision=True but no mixed-precision hook is registered")
-            return contextlib.nullcontext
-        return precision[0].autocast
 
     def _has_validation_data(self) -> bool:
         return self.validation is not None and self.validation.data is not None
@@ -780,49 +690,21 @@ class TrainingStrategy:
             strategy, loader = built.strategy, built.train_loader
             for hook in extra:
                 strategy.register_hook(hook)
-        strategy._ensure_set_up(loader)
+        strategy.setup(loader)
         strategy.restore(path)
         return strategy
 
     # -- lifetime -------------------------------------------------------------------------------
 
-    def _all_hooks(self) -> list[object]:
-        return [*self._orchestrator.hooks, *(h for h in self._closables if not isinstance(h, TrainingUpdateHook))]
-
     def close(self) -> None:
         """Close every hook that holds resources (reverse registration order); re-raise the first failure."""
-        self._close(None)
-
-    def _close(self, pending: BaseException | None) -> None:
-        errors: list[BaseException] = []
-        seen: set[int] = set()
-        for hook in reversed(self._closables):
-            if id(hook) in seen:
-                continue
-            seen.add(id(hook))
-            close = getattr(hook, "close", None)
-            if callable(close):
-                try:
-                    close()
-                except Exception as err:  # collected and re-raised below, never dropped
-                    errors.append(err)
-        self._bus.close()
-        if not errors:
-            return
-        if pending is not None:
-            for failure in errors:
-                pending.add_note(f"while closing hooks, {type(failure).__name__}: {failure}")
-            return
-        first = errors[0]
-        for failure in errors[1:]:
-            first.add_note(f"another hook failed to close: {type(failure).__name__}: {failure}")
-        raise first
+        self.registry.close()
 
     def __enter__(self) -> TrainingStrategy:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self._close(exc)
+        self.registry.close(exc)
 
 
 # -- helpers ------------------------------------------------------------------------------------

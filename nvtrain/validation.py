@@ -9,9 +9,10 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from nvtrain.hook import AveragesWeights, ProvidesAutocast
 from nvtrain.validators import optional_int_at_least
 
-__all__ = ["ValidationConfig", "ValidationLoop"]
+__all__ = ["ValidationConfig", "ValidationLoop", "validation_autocast", "validation_models"]
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 Metric = Callable[[Any, Any], torch.Tensor]
@@ -90,3 +91,32 @@ class ValidationLoop:
         summary: dict[str, Any] = {name: total / num_samples for name, total in totals.items()}
         summary["num_samples"] = num_samples
         return summary
+
+
+# -- what a strategy's hooks contribute to a validation -------------------------------------------
+
+
+def validation_models(
+    models: Mapping[str, torch.nn.Module], hooks: Iterable[object], config: ValidationConfig
+) -> dict[str, torch.nn.Module]:
+    """The models to evaluate: the trained ones, or with ``use_ema`` each averaging hook's copy in its place."""
+    chosen = dict(models)
+    if config.use_ema:
+        averaging = [h for h in hooks if isinstance(h, AveragesWeights)]
+        if not averaging:
+            raise ValueError("ValidationConfig.use_ema=True but no EMA hook is registered")
+        for hook in averaging:
+            chosen[hook.model_key] = hook.get_averaged_model()
+    return chosen
+
+
+def validation_autocast(hooks: Iterable[object], config: ValidationConfig) -> AutocastFactory:
+    """The autocast of the first mixed-precision hook, unless ``use_mixed_precision`` says otherwise."""
+    if config.use_mixed_precision is False:
+        return contextlib.nullcontext
+    precision = [h for h in hooks if isinstance(h, ProvidesAutocast)]
+    if not precision:
+        if config.use_mixed_precision is True:
+            raise ValueError("ValidationConfig.use_mixed_precision=True but no mixed-precision hook is registered")
+        return contextlib.nullcontext
+    return precision[0].autocast

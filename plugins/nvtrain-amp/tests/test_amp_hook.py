@@ -444,7 +444,7 @@ def test_injected_inf_skips_the_step_and_lowers_the_scale(device: str) -> None:
     batches = make_batches(2, device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        strategy._ensure_set_up(None)
+        strategy.setup()
         before = params_of(strategy)
         strategy.train_batch(batches[0])
     assert not [w for w in caught if "lr_scheduler" in str(w.message)]
@@ -540,7 +540,7 @@ def test_fused_optimizer_skip_is_reported() -> None:
         device="cpu",
     )
     batches = make_batches(2)
-    strategy._ensure_set_up(None)
+    strategy.setup()
     assert getattr(strategy.ctx.optimizers["main"], "_step_supports_amp_scaling", False)
     before = params_of(strategy)
     strategy.train_batch(batches[0])

@@ -280,7 +280,7 @@ def test_sampler_is_injected_with_the_loader_arguments_kept() -> None:
 def test_sequential_loader_gets_an_unshuffled_sampler_and_user_kwargs_win() -> None:
     hook = DDPHook(sampler_kwargs={"seed": 7, "drop_last": True})
     with make_strategy(hook) as strategy:
-        strategy._ensure_set_up(make_loader())
+        strategy.setup(make_loader())
         sampler = strategy.ctx.train_loader.sampler
     assert isinstance(sampler, DistributedSampler)
     assert sampler.shuffle is False and sampler.seed == 7 and sampler.drop_last is True
@@ -296,7 +296,7 @@ def test_custom_sampler_gets_only_the_keywords_it_accepts() -> None:
 
     loader = make_loader()
     with make_strategy(DDPHook(sampler_cls=by_rank, sampler_kwargs={"stride": 2})) as strategy:
-        strategy._ensure_set_up(loader)
+        strategy.setup(loader)
         assert strategy.ctx.train_loader.sampler == [0, 2, 4, 6, 8, 10, 12, 14]
     assert calls == [(loader.dataset, {"rank": 0, "num_replicas": 1, "stride": 2})]
 
@@ -306,7 +306,7 @@ def test_a_loader_that_already_shards_is_left_alone() -> None:
     data = make_loader().dataset
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=1, rank=0))
     with make_strategy(DDPHook()) as strategy:
-        strategy._ensure_set_up(loader)
+        strategy.setup(loader)
         assert strategy.ctx.train_loader is loader
 
 
@@ -334,7 +334,7 @@ def test_unsupported_loaders_are_kept_with_one_warning(make: Any, reason: str) -
     hook = DDPHook()
     with make_strategy(hook) as strategy:
         with pytest.warns(UserWarning, match=reason):
-            strategy._ensure_set_up(loader)
+            strategy.setup(loader)
         assert strategy.ctx.train_loader is loader
         strategy.ctx.train_loader = make()
         with warnings.catch_warnings():

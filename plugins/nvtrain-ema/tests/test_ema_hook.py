@@ -395,7 +395,7 @@ def test_state_round_trip_resumes_bitwise() -> None:
     model = make_model()
     model.load_state_dict(model_state)
     resumed = make_strategy([resumed_ema], model=model)
-    resumed._ensure_set_up(None)
+    resumed.setup()
     resumed.ctx.optimizers["main"].load_state_dict(optimizer_state)
     resumed.ctx.step_count = 3
     for got, want in zip(resumed_ema.get_averaged_model().state_dict().values(), ema_state["averaged"].values(), strict=True):
