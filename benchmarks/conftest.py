@@ -6,18 +6,27 @@ finishes in under two minutes on two cores. Each group has one benchmark whose
 name contains ``baseline``; the summary prints every other member's median time
 as a ratio of it (the ratio of the minimums in brackets), so the figures compare
 like with like from the same run.
+
+The suite imports its harness (``benchmarks/harness.py``) as ``harness``, as the
+scripts in this folder do; this folder goes on ``sys.path`` first, since pytest's
+``importlib`` import mode adds none.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 import torch
 
-from nvtrain.benchmarking import StampedBatches, Workload
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import StampedBatches, Workload
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -135,7 +144,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 def _comparison(terminalreporter: Any, group: str, result: dict[str, Any] | None) -> None:
-    """An interleaved loop comparison (``nvtrain.benchmarking.compare_loops``), per step."""
+    """An interleaved loop comparison (``harness.compare_loops``), per step."""
     if not result:
         return
     terminalreporter.write_line(

@@ -58,7 +58,9 @@ import torch
 
 import nvtrain
 from nvtrain import plugins
-from nvtrain.benchmarking import (
+from nvtrain.hooks import GradientClippingHook
+
+from harness import (
     TINY_MLP,
     MLPSpec,
     StampedBatches,
@@ -69,7 +71,6 @@ from nvtrain.benchmarking import (
     ratio,
     strategy_workload,
 )
-from nvtrain.hooks import GradientClippingHook
 
 GPU_MLP = MLPSpec(2048, 8192, 2048, 512)
 SMALL_MLP = MLPSpec(256, 1024, 256, 64)

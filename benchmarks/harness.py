@@ -1,8 +1,7 @@
-"""Measuring what hooks cost: dispatch sweeps, the update path, and per-step overhead.
+"""The benchmark suite's harness: workloads, a round-robin timer, no-op plugins and hand-written loops.
 
-``nvtrain bench`` and the pytest-benchmark suite in ``benchmarks/`` build their
-workloads here, so a plugin author's figures and the project's published ones
-are measured the same way:
+The files in ``benchmarks/`` (the pytest-benchmark suites, ``gpu_check.py`` and
+``peers.py``) build their workloads here, so they all measure the same way:
 
 - a :class:`Workload` is something to time (``run``) after an untimed ``prepare``;
 - :func:`measure` times several workloads round-robin with
@@ -10,17 +9,18 @@ are measured the same way:
   machine slows every candidate alike, and reports per round the time of one
   unit (one sweep, one training step);
 - a figure is the median over rounds, with the min beside it; :func:`ratio`
-  compares two candidates on both.
+  compares two candidates on both;
+- :func:`compare_loops` adds single-step times from :class:`StampedBatches`.
 
-:func:`stage_costs` times each stage's dispatch inside a real training run, for
-a hook stack that cannot be called outside one (an EMA or a checkpoint hook);
-:func:`stack_report` adds the per-step overhead against a bare loop, which is
-what ``nvtrain bench dispatch`` prints.
+``nvtrain bench dispatch`` does not import this file (it is not installed with
+nvtrain); its own measurement is :mod:`nvtrain.commands.bench_stack`, which
+trains the same two MLPs (``TINY_MLP``, ``LARGE_MLP``) the same way.
+Import it as ``harness``: the scripts run from this folder, and
+``benchmarks/conftest.py`` puts the folder on ``sys.path`` for the suite.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import statistics
@@ -36,7 +36,7 @@ from nvtrain.context import TrainingContext
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.hookspecs import hookimpl
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
-from nvtrain.stages import BATCH_STAGES, REPLACEMENT_STAGES, UPDATE_STAGES, TrainingStage
+from nvtrain.stages import REPLACEMENT_STAGES, UPDATE_STAGES, TrainingStage
 from nvtrain.strategy import TrainingStrategy
 
 __all__ = [
@@ -46,13 +46,11 @@ __all__ = [
     "MLPSpec",
     "NoopUpdateHook",
     "Ratio",
-    "StageCost",
     "StampedBatches",
     "Timing",
     "Workload",
     "bare_step",
     "compare_loops",
-    "describe_hook",
     "dispatch_workloads",
     "hand_written_workload",
     "inert_loss",
@@ -61,8 +59,6 @@ __all__ = [
     "measure",
     "noop_observer",
     "ratio",
-    "stack_report",
-    "stage_costs",
     "strategy_workload",
     "update_path_workloads",
 ]
@@ -518,202 +514,3 @@ def compare_loops(
     }
     baseline = next(iter(workloads))
     return {"baseline": baseline, "steps": len(batches), "rounds": rounds, "loops": loops, "ratios": ratios}
-
-
-# -- per-stage cost inside a run ------------------------------------------------------------------------
-
-
-@attrs.frozen
-class StageCost:
-    """One stage of a real run: who implements it, how often it fired, what a call cost."""
-
-    stage: TrainingStage
-    #: Bus implementations in call order (plugin names), and the update hooks the orchestrator runs there.
-    implementations: tuple[str, ...]
-    update_hooks: tuple[str, ...]
-    calls: int
-    #: Median and min of one call, the timer's own cost taken off (None when the stage never fired).
-    median_ns: float | None
-    min_ns: float | None
-
-    @property
-    def includes(self) -> str | None:
-        """Work of the loop itself that the stage's time includes."""
-        if self.stage is TrainingStage.DO_BACKWARD and self.implementations:
-            return "backward()"
-        if self.stage is TrainingStage.DO_OPTIMIZER_STEP and self.implementations:
-            return "optimizer step"
-        return None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage.hook_name,
-            "implementations": list(self.implementations),
-            "update_hooks": list(self.update_hooks),
-            "calls": self.calls,
-            "per_micro_batch": self.stage in BATCH_STAGES,
-            "median_ns": self.median_ns,
-            "min_ns": self.min_ns,
-            "includes": self.includes,
-        }
-
-
-def _timer_cost_ns(samples: int = 2000) -> float:
-    """What the timing wrapper adds to one call: the median of timing a no-op through it."""
-    recorded: list[int] = []
-    timed = _timed(_noop_stage, recorded)
-    for _ in range(samples):
-        timed(None)
-    return statistics.median(recorded)
-
-
-def _noop_stage(ctx: Any) -> None:
-    return None
-
-
-def _timed(caller: Callable[[Any], Any], recorded: list[int]) -> Callable[[Any], Any]:
-    clock = time.perf_counter_ns
-    append = recorded.append
-
-    def timed(ctx: Any) -> Any:
-        start = clock()
-        result = caller(ctx)
-        append(clock() - start)
-        return result
-
-    return timed
-
-
-@contextlib.contextmanager
-def _timing_stages(bus: HookBus) -> Iterator[dict[TrainingStage, list[int]]]:
-    """Wrap each of the bus's compiled stage callers with a timer for as long as the block runs."""
-    recorded: dict[TrainingStage, list[int]] = {stage: [] for stage in TrainingStage}
-    originals = {stage: getattr(bus, stage.hook_name) for stage in TrainingStage}
-    for stage, caller in originals.items():
-        setattr(bus, stage.hook_name, _timed(caller, recorded[stage]))
-    try:
-        yield recorded
-    finally:
-        for stage, caller in originals.items():
-            setattr(bus, stage.hook_name, caller)
-
-
-def stage_costs(
-    spec: MLPSpec,
-    batches: Sequence[Any],
-    hooks: Callable[[], Sequence[object]],
-    *,
-    validate: bool = False,
-    device: torch.device | str = "cpu",
-) -> list[StageCost]:
-    """Run one epoch over ``batches`` with ``hooks()`` and time every stage call on the bus.
-
-    Every stage is dispatched as in any run, through the bus's compiled callers; each
-    is wrapped with a ``perf_counter_ns`` timer whose own cost (measured first) is
-    taken off. DO_BACKWARD and DO_OPTIMIZER_STEP include ``backward()`` and the
-    optimizer step, which the orchestrator performs. ``validate`` adds one
-    ``validate()`` over the batches, so AFTER_VALIDATION fires.
-    """
-    overhead = _timer_cost_ns()
-    strategy = _mlp_strategy(spec, hooks(), device)
-    bus, orchestrator = strategy.bus, strategy.orchestrator
-    with strategy, _timing_stages(bus) as recorded:
-        strategy.run(batches)
-        if validate:
-            strategy.validate(batches)
-    costs = []
-    for stage in TrainingStage:
-        samples = recorded[stage]
-        update = orchestrator.hooks_for(stage) if stage in UPDATE_STAGES else ()
-        costs.append(
-            StageCost(
-                stage=stage,
-                implementations=tuple(impl.plugin_name for impl in bus.implementations(stage)),
-                update_hooks=tuple(_hook_name(hook) for hook in update),
-                calls=len(samples),
-                median_ns=max(0.0, statistics.median(samples) - overhead) if samples else None,
-                min_ns=max(0.0, min(samples) - overhead) if samples else None,
-            )
-        )
-    return costs
-
-
-def _hook_name(hook: object) -> str:
-    name = getattr(hook, "plugin_name", None)
-    return name if isinstance(name, str) else type(hook).__qualname__
-
-
-# -- a user's hook stack --------------------------------------------------------------------------------
-
-
-def describe_hook(hook: object) -> dict[str, str]:
-    """Name, class and kind of one hook, for reports."""
-    from nvtrain.hook import Hook
-
-    if isinstance(hook, TrainingUpdateHook):
-        kind = "update hook"
-    elif isinstance(hook, Hook):
-        kind = "observer (Hook)"
-    else:
-        kind = "observer (pluggy)"
-    return {"name": _hook_name(hook), "class": type(hook).__qualname__, "kind": kind}
-
-
-def stack_report(
-    hooks: Callable[[], Sequence[object]],
-    *,
-    spec: MLPSpec = TINY_MLP,
-    steps: int = 200,
-    rounds: int = 5,
-    device: torch.device | str = "cpu",
-) -> dict[str, Any]:
-    """What a hook stack costs on a small model: per-stage dispatch inside a run, and per-step overhead.
-
-    ``hooks()`` builds a fresh stack (it is called once per run). Per-step times are
-    measured round-robin for a bare hand-written loop, the strategy with no hooks and
-    the strategy with the stack, each over ``steps`` batches, ``rounds`` times
-    (:func:`compare_loops`). A short untimed run first takes the costs a process pays
-    once (imports, metadata scans) out of the figures. Returns a JSON-ready dict.
-    """
-    device = torch.device(device)
-    batches = make_batches(spec, steps, device=device)
-    warm_up = strategy_workload(spec, batches[:3], hooks, device=device)  # first-run-in-process costs (imports)
-    _time_once(warm_up)
-    stack = list(hooks())
-    costs = stage_costs(spec, batches, lambda: stack, device=device)
-    workloads: dict[str, Callable[[StampedBatches], Workload]] = {
-        "bare loop": lambda data: hand_written_workload(spec, data, device=device),
-        "nvtrain, no hooks": lambda data: strategy_workload(spec, data, device=device),
-    }
-    if stack:
-        workloads["nvtrain, your hooks"] = lambda data: strategy_workload(spec, data, hooks, device=device)
-    comparison = compare_loops(workloads, batches, rounds=rounds)
-    per_micro_batch = [c for c in costs if c.stage in BATCH_STAGES and c.median_ns is not None]
-    report: dict[str, Any] = {
-        "model": f"MLP {spec.label}, SGD",
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "steps": steps,
-        "rounds": rounds,
-        "hooks": [describe_hook(hook) for hook in stack],
-        "stages": [cost.to_dict() for cost in costs],
-        "sweep_ns": {
-            "observer_stages": sum(c.median_ns or 0.0 for c in per_micro_batch if c.stage not in UPDATE_STAGES),
-            "update_stages": sum(
-                c.median_ns or 0.0 for c in per_micro_batch if c.stage in UPDATE_STAGES and c.includes is None
-            ),
-            "do_slots": sum(c.median_ns or 0.0 for c in per_micro_batch if c.includes is not None),
-            "once_per_run": sum(
-                (c.median_ns or 0.0) * c.calls for c in costs if c.stage not in BATCH_STAGES
-            ),
-        },
-        "per_step_us": comparison["loops"],
-        "ratios": {name: r for name, r in comparison["ratios"].items() if name != "bare loop"},
-    }
-    if stack:
-        framework, yours = comparison["loops"]["nvtrain, no hooks"], comparison["loops"]["nvtrain, your hooks"]
-        report["hooks_overhead_us"] = {
-            "run_median": yours["run_us"]["median"] - framework["run_us"]["median"],
-            "step_p10": yours["step_us"]["p10"] - framework["step_us"]["p10"],
-        }
-    return report

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 import nvtrain
-from nvtrain.benchmarking import TINY_MLP, make_batches, make_model
+
+from harness import TINY_MLP, make_batches, make_model
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 Runner = Callable[["Stamped"], None]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from nvtrain.benchmarking import dispatch_workloads
+from harness import dispatch_workloads
 
 OBSERVERS = (0, 1, 5, 20)
 KINDS = {"pluggy_direct_baseline": "pluggy", "nvtrain_bus": "nvtrain", "plain_loop": "plain"}

@@ -26,8 +26,9 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import nvtrain
 from nvtrain import plugins
-from nvtrain.benchmarking import LARGE_MLP, TINY_MLP, make_batches, make_model
 from nvtrain.hooks import GradientAccumulationHook
+
+from harness import LARGE_MLP, TINY_MLP, make_batches, make_model
 
 MODELS = {"tiny": TINY_MLP, "larger": LARGE_MLP}
 DECAY = 0.999

@@ -30,7 +30,9 @@ import pytest
 import torch
 
 import nvtrain
-from nvtrain.benchmarking import (
+from nvtrain.stages import BATCH_STAGES, TrainingStage
+
+from harness import (
     LARGE_MLP,
     TINY_MLP,
     MLPSpec,
@@ -42,7 +44,6 @@ from nvtrain.benchmarking import (
     noop_observer,
     strategy_workload,
 )
-from nvtrain.stages import BATCH_STAGES, TrainingStage
 
 MODELS = {"tiny": TINY_MLP, "larger": LARGE_MLP}
 

@@ -33,7 +33,9 @@ import pytest
 import torch
 
 from nvtrain import plugins
-from nvtrain.benchmarking import (
+from nvtrain.hooks import GradientClippingHook
+
+from harness import (
     LARGE_MLP,
     TINY_MLP,
     MLPSpec,
@@ -44,7 +46,6 @@ from nvtrain.benchmarking import (
     make_batches,
     strategy_workload,
 )
-from nvtrain.hooks import GradientClippingHook
 
 for _plugin in ("amp", "ema", "checkpoint"):
     if _plugin not in {info.name for info in plugins.available() if info.ok}:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from nvtrain.benchmarking import update_path_workloads
+from harness import update_path_workloads
 
 UPDATE_HOOKS = (0, 1, 2, 3, 4)
 KINDS = {"pluggy_direct_baseline": "pluggy", "nvtrain_bus": "nvtrain", "plain_loop": "plain"}

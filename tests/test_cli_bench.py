@@ -1,7 +1,8 @@
-"""`nvtrain bench dispatch` and the measuring helpers behind it: structure and semantics, never timings."""
+"""`nvtrain bench dispatch` and its measurement (nvtrain.commands.bench_stack): structure and semantics, never timings."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -10,9 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from nvtrain import benchmarking
 from nvtrain.cli import main
-from nvtrain.stages import BATCH_STAGES, REPLACEMENT_STAGES, TrainingStage
+from nvtrain.commands import bench_stack
+from nvtrain.commands.bench import add_arguments
+from nvtrain.stages import BATCH_STAGES, TrainingStage
 
 TINY = ["--quick", "--json", "--steps", "4", "--rounds", "1"]
 
@@ -143,92 +145,63 @@ def test_bad_counts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "--steps" in err
 
 
-# -- the measuring helpers --------------------------------------------------------------------------
+# -- the measurement behind it ------------------------------------------------------------------------
 
 
-def test_measure_reports_per_unit_and_rotates_the_order(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_measured_model_is_a_model_choice() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    names = list(bench_stack.MODELS)
+    assert [parser.parse_args(["dispatch", "--model", name]).model for name in names] == names == ["tiny", "larger"]
+
+
+def test_loops_are_timed_round_robin_after_an_untimed_round(monkeypatch: pytest.MonkeyPatch) -> None:
     ticks = iter(range(0, 10**9, 1000))
     monkeypatch.setattr(time, "perf_counter_ns", lambda: next(ticks))
     order: list[str] = []
-    workloads = {
-        name: benchmarking.Workload(lambda state, name=name: order.append(name), repeats=4, units=5)
-        for name in ("a", "b", "c")
-    }
-    timings = benchmarking.measure(workloads, rounds=3, warmup=1)
-    # one clock read before and one after each timed block: 1000 ns per block of 4 runs of 5 units
-    assert {name: t.per_unit_ns for name, t in timings.items()} == {n: (50.0,) * 3 for n in "abc"}
-    starts = [order[i] for i in range(0, len(order), 4)]
-    assert starts == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+
+    def loop(name: str) -> bench_stack.Loop:
+        def start() -> tuple[Any, None]:
+            order.append(name)
+            return (lambda batches: list(batches)), None
+
+        return start
+
+    result = bench_stack.compare_loops({n: loop(n) for n in "abc"}, list(range(5)), 2, torch.device("cpu"))
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    # per round: a clock read before the run, one per batch handed out, one after: 6000 ns over 5 steps
+    assert result["loops"]["a"]["run_us"] == {"median": 1.2, "min": 1.2}
+    # 3 intervals per pass (the first of each pass dropped), the untimed round's left out
+    assert result["loops"]["a"]["step_us"] == {"median": 1.0, "p10": 1.0, "min": 1.0}
+    assert result["ratios"]["c"] == {"run_median": 1.0, "run_min": 1.0, "step_median": 1.0, "step_p10": 1.0}
 
 
-def test_noop_observer_implements_exactly_the_observer_stages() -> None:
-    bus = benchmarking.HookBus()
-    bus.register(benchmarking.noop_observer())
-    implemented = {stage for stage in TrainingStage if bus.implementations(stage)}
-    assert implemented == set(TrainingStage) - REPLACEMENT_STAGES
-    assert len(benchmarking.OBSERVER_STAGES) == 16
-
-
-def test_sweeps_call_every_implementation_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    original = benchmarking._noop
-
-    def counting(self: object, ctx: Any) -> None:
-        calls.append("x")
-        return original(self, ctx)
-
-    monkeypatch.setattr(benchmarking._NoopObserver, "before_batch", benchmarking.hookimpl(counting))
-    for kind, workload in benchmarking.dispatch_workloads(3, repeats=1).items():
-        calls.clear()
-        workload.run(None)
-        assert len(calls) == 3, kind
-
-
-def test_update_path_sweeps_run_every_update_hook_on_its_stages(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[TrainingStage] = []
-
-    def record(self: object, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
-        seen.append(stage)
-        return True, ctx.loss
-
-    monkeypatch.setattr(benchmarking.NoopUpdateHook, "__call__", record)
-    for kind, workload in benchmarking.update_path_workloads(2, repeats=1).items():
-        seen.clear()
-        workload.run(None)
-        assert sorted(seen) == sorted([s for s in TrainingStage if s in benchmarking.UPDATE_STAGES] * 2), kind
-
-
-def test_stamped_batches_time_each_step_from_one_hand_out_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stamps_time_each_step_from_one_hand_out_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     ticks = iter([0, 10, 30, 60, 100])
     monkeypatch.setattr(time, "perf_counter_ns", lambda: next(ticks))
-    stamped = benchmarking.StampedBatches(["a", "b", "c", "d", "e"])
-    assert stamped[0] == "a" and len(stamped) == 5  # indexing stamps nothing
-    assert list(stamped) == ["a", "b", "c", "d", "e"]
-    assert stamped.intervals == [20, 30, 40]  # the first interval of the pass is dropped
-    assert stamped.step_figures() == {"median": 30, "p10": 20, "min": 20}
+    stamps = bench_stack._Stamps(["a", "b", "c", "d", "e"])
+    assert len(stamps) == 5 and list(stamps) == ["a", "b", "c", "d", "e"]
+    assert stamps.intervals == [20, 30, 40]  # the first interval of the pass is dropped
 
 
-def test_compare_loops_drops_warm_up_steps_and_divides_by_the_first_loop() -> None:
-    batches = benchmarking.make_batches(benchmarking.TINY_MLP, 5)
-    spec = benchmarking.TINY_MLP
-    result = benchmarking.compare_loops(
-        {
-            "hand": lambda data: benchmarking.hand_written_workload(spec, data),
-            "nvtrain": lambda data: benchmarking.strategy_workload(spec, data),
-        },
-        batches,
-        rounds=2,
-        warmup=1,
+def test_stage_timing_restores_the_bus_callers() -> None:
+    from nvtrain.bus import HookBus
+
+    bus = HookBus(trace=False)
+    before = {stage: getattr(bus, stage.hook_name) for stage in TrainingStage}
+    with bench_stack._timing_stages(bus) as recorded:
+        bus.before_batch(None)
+        bus.do_backward(None)
+    assert len(recorded[TrainingStage.BEFORE_BATCH]) == len(recorded[TrainingStage.DO_BACKWARD]) == 1
+    assert all(getattr(bus, stage.hook_name) is caller for stage, caller in before.items())
+
+
+def test_the_models_train_on_seeded_batches() -> None:
+    mlp = bench_stack.MODELS["tiny"]
+    first, again = mlp.batches(3, torch.device("cpu")), mlp.batches(3, torch.device("cpu"))
+    assert [tuple(t.shape) for t in first[0]] == [(8, 32), (8, 1)]
+    assert all(
+        torch.equal(a, b) for pair, twin in zip(first, again, strict=True) for a, b in zip(pair, twin, strict=True)
     )
-    assert result["baseline"] == "hand" and result["steps"] == 5
-    assert result["ratios"]["hand"] == {"run_median": 1.0, "run_min": 1.0, "step_median": 1.0, "step_p10": 1.0}
-    loops = result["loops"]
-    assert loops["nvtrain"]["step_us"]["p10"] / loops["hand"]["step_us"]["p10"] == pytest.approx(
-        result["ratios"]["nvtrain"]["step_p10"]
-    )
-
-
-def test_inert_loss_backward_does_nothing() -> None:
-    loss = benchmarking.inert_loss()
-    assert isinstance(loss, torch.Tensor)
-    assert loss.backward() is None
+    assert mlp.build(torch.device("cpu"))(first[0][0]).shape == (8, 1)
+    assert mlp.label == "32->64->1, batch 8"

@@ -35,7 +35,8 @@ def run_script(*args: str, hide_cuda: bool = False) -> subprocess.CompletedProce
 
 
 @pytest.fixture
-def gpu_check() -> ModuleType:
+def gpu_check(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # where its harness is, as when it runs as a script
     spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -153,13 +153,12 @@ def _config_hooks(config: str) -> list[dict[str, Any]]:
 def _measure(build: Callable[[], list[object]], args: argparse.Namespace, steps: int, rounds: int) -> dict[str, Any]:
     import torch
 
-    from nvtrain.benchmarking import LARGE_MLP, TINY_MLP, stack_report
+    from nvtrain.commands.bench_stack import MODELS, stack_report
 
-    spec = TINY_MLP if args.model == "tiny" else LARGE_MLP
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return stack_report(build, spec=spec, steps=steps, rounds=rounds, device=args.device)
+        return stack_report(build, model=MODELS[args.model], steps=steps, rounds=rounds, device=args.device)
     finally:
         torch.set_num_threads(threads)
 
