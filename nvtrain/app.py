@@ -170,7 +170,7 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
     metrics = _metrics(loaded, resolve)
     hooks = list(_build_hooks(loaded, search))
     if (world_size if world_size is not None else _env_world_size()) > 1 and not any(
-        getattr(h, "plugin_name", None) == "ddp" for h in hooks
+        getattr(h, "plugin_name", None) == "ddp" or getattr(h, "data_parallel", False) is True for h in hooks
     ):
         hooks.append(_load_plugin(loaded, "ddp", {}, ("hooks",), for_what="a torchrun launch (WORLD_SIZE > 1)"))
     hooks += _logging_hooks(loaded)

@@ -400,6 +400,7 @@ def test_shipped_hook_classes_map_to_their_distributions() -> None:
         "TorchProfilerHook": ("nvtrain-profiler", "nvtrain_profiler"),
         "CheckpointHook": ("nvtrain-checkpoint", "nvtrain_checkpoint"),
         "DDPHook": ("nvtrain-ddp", "nvtrain_ddp"),
+        "FSDPHook": ("nvtrain-fsdp", "nvtrain_fsdp"),
     }
 
 

@@ -124,6 +124,7 @@ def _settings_classes() -> list[type]:
         ("nvtrain_ema", "EMAHook"),
         ("nvtrain_checkpoint", "CheckpointHook"),
         ("nvtrain_ddp", "DDPHook"),
+        ("nvtrain_fsdp", "FSDPHook"),
         ("nvtrain_profiler", "TorchProfilerHook"),
     ):
         plugin = pytest.importorskip(module)

@@ -43,6 +43,7 @@ PLUGIN_HOOK_CLASSES: dict[str, tuple[str, str]] = {
     "TorchProfilerHook": ("nvtrain-profiler", "nvtrain_profiler"),
     "CheckpointHook": ("nvtrain-checkpoint", "nvtrain_checkpoint"),
     "DDPHook": ("nvtrain-ddp", "nvtrain_ddp"),
+    "FSDPHook": ("nvtrain-fsdp", "nvtrain_fsdp"),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -26,17 +27,36 @@ _DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
 GRAD_NORM: StashKey[tuple[int, torch.Tensor]] = StashKey("grad_norm")
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """Total ``norm_type`` norm of the gradients of ``parameters``, as a tensor (no host sync)."""
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, foreach: bool | None = None
+) -> torch.Tensor:
+    """Total ``norm_type`` norm of the gradients of ``parameters``, as a plain tensor (no host sync).
+
+    Gradients that are DTensor shards (FSDP) count with their whole tensor: torch's norm
+    of them is a DTensor, reduced over the shards' ranks here (one small all-reduce), so
+    every rank gets the norm of the full gradient, as one process would.
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
-    if get_total_norm is not None:  # torch >= 2.6
-        return get_total_norm(grads, norm_type)  # type: ignore[no-any-return]
-    norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
-    device = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    dtensor = _dtensor_type()
+    sharded = [g for g in grads if dtensor is not None and isinstance(g, dtensor)]
+    if not sharded:
+        return torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
+    norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
+    if dtensor is not None and isinstance(norm, dtensor):
+        norm = norm.full_tensor()  # type: ignore[attr-defined]
+    plain = [g for g in grads if not (dtensor is not None and isinstance(g, dtensor))]
+    if plain:
+        rest = torch.nn.utils.get_total_norm(plain, norm_type, foreach=foreach)
+        norm = torch.linalg.vector_norm(torch.stack([norm, rest.to(norm.device)]), norm_type)
+    return norm
+
+
+def _dtensor_type() -> type | None:
+    """DTensor, when torch.distributed.tensor is loaded (without it there are none; importing it costs time)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 class OptimizerParameters:
@@ -150,10 +170,12 @@ class GradientClippingHook(TrainingUpdateHook):
         if stage is not _DO_OPTIMIZER_STEP or will_skip:
             return True, None
         params = self._params(ctx)
+        # What torch.nn.utils.clip_grad_norm_ does (the total norm, then one multiply), with the norm of
+        # DTensor (FSDP) gradients taken over all their shards: clip_grad_norm_ would return it as a DTensor.
+        norm = total_grad_norm(params, self.norm_type, self.foreach)
         if self.max_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm, norm_type=self.norm_type, foreach=self.foreach)
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=self.foreach)
         else:
-            norm = total_grad_norm(params, self.norm_type)
             torch.nn.utils.clip_grad_value_(params, self.max_value, foreach=self.foreach)  # type: ignore[arg-type]
         ctx.metrics[self._metric] = norm
         if self.model_keys is None:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import logging
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -17,9 +15,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 import nvtrain
-from nvtrain.distributed import TorchrunEnv, default_backend
+from nvtrain.data_parallel import (
+    LoaderSharding,
+    as_sampler_factory,
+    as_sampler_kwargs,
+    refuse_other_data_parallel,
+    resolve_process_group,
+    set_sampler_epoch,
+)
+from nvtrain.distributed import TorchrunEnv
 from nvtrain.validators import a_bool, optional_bool, optional_non_empty_str
-from nvtrain_ddp.sampler import distributed_loader, has_distributed_sampler, samplers_of, unsupported_reason
 
 __all__ = ["DDPHook"]
 
@@ -51,34 +56,12 @@ def _as_model_keys(value: Any) -> tuple[str, ...] | None:
     return keys
 
 
-def _as_callable(value: Any) -> Callable[..., Any]:
-    """A callable, or a dotted path to one (``"pkg.module.Name"`` or ``"pkg.module:Name"``), for configs."""
-    if isinstance(value, str):
-        module_name, sep, attr = value.rpartition(":") if ":" in value else value.rpartition(".")
-        if not sep or not module_name or not attr:
-            raise ValueError(
-                f"DDPHook.sampler_cls: {value!r} is not a dotted path such as 'torch.utils.data.DistributedSampler'"
-            )
-        try:
-            value = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"DDPHook.sampler_cls: cannot import {value!r} ({err})") from err
-    if not callable(value):
-        raise TypeError(f"DDPHook.sampler_cls must be a sampler class or factory (got {value!r})")
-    return value  # type: ignore[no-any-return]
+def _as_sampler_cls(value: Any) -> Callable[..., Any]:
+    return as_sampler_factory("DDPHook", value)
 
 
 def _as_sampler_kwargs(value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise TypeError(f"DDPHook.sampler_kwargs must be a mapping of keyword -> value (got {value!r})")
-    for key in value:
-        if not isinstance(key, str) or not key.isidentifier():
-            raise ValueError(f"DDPHook.sampler_kwargs keys must be keyword names (got {key!r})")
-    if "dataset" in value:
-        raise ValueError("DDPHook.sampler_kwargs must not hold 'dataset': the loader's dataset is passed first")
-    return dict(value)
+    return as_sampler_kwargs("DDPHook", value)
 
 
 # -- the hook --------------------------------------------------------------------------
@@ -108,6 +91,8 @@ class DDPHook:
 
     plugin_name: ClassVar[str] = "ddp"
     priority: ClassVar[int] = 50
+    #: Wraps models for data parallelism: no other such hook (FSDP) may be registered beside it.
+    data_parallel: ClassVar[bool] = True
 
     #: Models to wrap; None wraps every model that has an optimizer.
     model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_model_keys)
@@ -121,7 +106,7 @@ class DDPHook:
     #: Backend when this hook initialises torch.distributed (None: NCCL on CUDA, gloo otherwise).
     backend: str | None = attrs.field(default=None, validator=optional_non_empty_str("backend name such as 'nccl' or 'gloo'"))
     auto_init: bool = attrs.field(default=True, validator=a_bool)
-    sampler_cls: Callable[..., Any] = attrs.field(default=DistributedSampler, converter=_as_callable)
+    sampler_cls: Callable[..., Any] = attrs.field(default=DistributedSampler, converter=_as_sampler_cls)
     sampler_kwargs: dict[str, Any] = attrs.field(factory=dict, converter=_as_sampler_kwargs)
 
     _ctx: nvtrain.TrainingContext | None = attrs.field(init=False, default=None, repr=False)
@@ -132,8 +117,9 @@ class DDPHook:
     _wrapped: dict[str, tuple[torch.nn.Module, DistributedDataParallel]] = attrs.field(
         init=False, factory=dict, repr=False
     )
-    _prepared_loader: Any = attrs.field(init=False, default=None, repr=False)
-    _warned_loader: bool = attrs.field(init=False, default=False, repr=False)
+    _loaders: LoaderSharding = attrs.field(
+        init=False, factory=lambda: LoaderSharding("DDPHook", "ddp_hook"), repr=False
+    )
     _no_sync: contextlib.ExitStack | None = attrs.field(init=False, default=None, repr=False)
 
     # -- SETUP -------------------------------------------------------------------------
@@ -142,8 +128,16 @@ class DDPHook:
     def setup(self, ctx: nvtrain.TrainingContext) -> None:
         """Resolve the process group, wrap the models, inject the sampler."""
         self._ctx = ctx
+        refuse_other_data_parallel(ctx, self)
         manager = getattr(ctx.strategy, "distributed_manager", None)
-        group = self._resolve_group(ctx, manager)
+        group, self._owns_group = resolve_process_group(
+            "DDPHook",
+            explicit=self.process_group,
+            manager=manager,
+            auto_init=self.auto_init,
+            backend=self.backend,
+            device=ctx.device,
+        )
         if group is None:
             logger.info("DDPHook: single process (no process group, WORLD_SIZE <= 1); models are not wrapped")
             return
@@ -169,30 +163,6 @@ class DDPHook:
         self._ddp_modules = tuple(ddp_modules)
         self._prepare_loader(ctx)
 
-    def _resolve_group(self, ctx: nvtrain.TrainingContext, manager: Any) -> Any:
-        if self.process_group is not None:
-            if not dist.is_initialized():
-                raise RuntimeError("DDPHook.process_group was given but torch.distributed is not initialised")
-            return self.process_group
-        group = getattr(manager, "process_group", None)
-        if group is not None:
-            return group
-        if dist.is_available() and dist.is_initialized():
-            return dist.group.WORLD
-        env = TorchrunEnv.from_environ()
-        if env.world_size <= 1:
-            return None
-        if not self.auto_init:
-            raise RuntimeError(
-                f"DDPHook: WORLD_SIZE={env.world_size} but torch.distributed is not initialised and "
-                "auto_init=False; call nvtrain.DistributedManager.initialize() and pass the manager as "
-                "TrainingStrategy(distributed_manager=...), or set DDPHook(auto_init=True)"
-            )
-        backend = self.backend or default_backend(ctx.device)
-        dist.init_process_group(backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size)
-        self._owns_group = True
-        return dist.group.WORLD
-
     def _setting(self, name: str, manager: Any) -> bool:
         value = getattr(self, name)
         if value is None:
@@ -209,10 +179,11 @@ class DDPHook:
         return self.model_keys
 
     def _wrap(self, key: str, model: torch.nn.Module, group: Any, options: dict[str, Any]) -> DistributedDataParallel:
-        if type(model).__name__ == "FullyShardedDataParallel" or hasattr(model, "_fsdp_wrapped_module"):
+        if _is_sharded(model):
             raise ValueError(
-                f"DDPHook: model {key!r} is sharded with FSDP; DDP and FSDP do not combine (FSDP is not "
-                "supported by nvtrain-ddp)"
+                f"DDPHook: model {key!r} is sharded with FSDP (torch.distributed.fsdp); DDP and FSDP do not "
+                "combine. Train it with FSDPHook (plugin 'fsdp', nvtrain-fsdp) instead of DDPHook, or pass the "
+                "plain model"
             )
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
@@ -236,36 +207,17 @@ class DDPHook:
     @nvtrain.hookimpl
     def before_training(self, ctx: nvtrain.TrainingContext) -> None:
         """Warn when ``run()`` got a loader after SETUP that does not shard (it can no longer be swapped)."""
-        loader = ctx.train_loader
-        if not self._active or loader is None or loader is self._prepared_loader:
-            return
-        self._prepared_loader = loader
-        if not has_distributed_sampler(loader) and unsupported_reason(loader) is None:
-            warnings.warn(
-                "DDPHook: run() got a train loader without a distributed sampler after the strategy was set up "
-                "(SETUP shards only the loader it sees), so every rank reads all of it. Shard it yourself: "
-                "strategy.run(ddp_hook.shard(loader)), or run again on strategy.ctx.train_loader",
-                stacklevel=2,
-            )
+        if self._active:
+            self._loaders.check_late_loader(ctx.train_loader)
 
     def shard(self, loader: Any) -> Any:
         """``loader`` with this hook's distributed sampler (unchanged in a single process or when it shards).
 
         SETUP does this for the loader of the first ``run()``; use it for loaders given later.
         """
-        if not self._active or has_distributed_sampler(loader):
+        if not self._active:
             return loader
-        reason = unsupported_reason(loader)
-        if reason is not None:
-            if not self._warned_loader:
-                self._warned_loader = True
-                warnings.warn(
-                    f"DDPHook: no distributed sampler was injected into the train loader because {reason}; "
-                    "each rank must read its own shard (ctx.rank of ctx.world_size)",
-                    stacklevel=3,
-                )
-            return loader
-        return distributed_loader(
+        return self._loaders.shard(
             loader,
             sampler_cls=self.sampler_cls,
             sampler_kwargs=self.sampler_kwargs,
@@ -276,15 +228,12 @@ class DDPHook:
     def _prepare_loader(self, ctx: nvtrain.TrainingContext) -> None:
         if ctx.train_loader is not None:
             ctx.train_loader = self.shard(ctx.train_loader)
-        self._prepared_loader = ctx.train_loader
+        self._loaders.prepared = ctx.train_loader
 
     @nvtrain.hookimpl
     def before_epoch(self, ctx: nvtrain.TrainingContext) -> None:
         """``set_epoch(ctx.epoch)`` on every sampler of the loader that has it (idempotent)."""
-        for sampler in samplers_of(ctx.train_loader):
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(ctx.epoch)
+        set_sampler_epoch(ctx.train_loader, ctx.epoch)
 
     # -- one all-reduce per optimizer step -------------------------------------------------
 
@@ -337,6 +286,16 @@ class DDPHook:
             self._owns_group = False
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Sharded by FSDP: wrapped by FSDP1, or fully_shard (FSDP2) applied (its parameters are DTensors)."""
+    if type(model).__name__ == "FullyShardedDataParallel" or hasattr(model, "_fsdp_wrapped_module"):
+        return True
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _check_gpu_per_process(key: str, index: int) -> None:

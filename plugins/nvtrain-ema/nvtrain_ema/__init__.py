@@ -9,9 +9,9 @@ The hook is also reachable as ``nvtrain.hooks.EMAHook`` and as plugin ``ema``.
 
 from __future__ import annotations
 
-from nvtrain_ema.hook import EMAHook, unwrap_model
+from nvtrain_ema.hook import EMAHook, ShardedAverage, unwrap_model
 
-__all__ = ["EMAHook", "unwrap_model"]
+__all__ = ["EMAHook", "ShardedAverage", "unwrap_model"]
 
 #: The hook classes this plugin provides; the first is what ``nvtrain.plugins.load("ema")`` builds.
 __nvtrain_hooks__ = (EMAHook,)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import attrs
@@ -14,7 +15,7 @@ from nvtrain import TrainingStage
 from nvtrain.distributed import unwrap_model
 from nvtrain.validators import float_in_range, int_at_least, non_empty_str, strict_bool, strict_int
 
-__all__ = ["EMAHook", "unwrap_model"]
+__all__ = ["EMAHook", "ShardedAverage", "unwrap_model"]
 
 _AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
 
@@ -38,6 +39,12 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     The copy is made at BEFORE_TRAINING (or at first use) from the unwrapped model,
     so a DDP wrapper is not copied. ``use_buffers=True`` averages buffers too;
     otherwise the copy's buffers follow the model's at every update.
+
+    A model sharded with FSDP (DTensor parameters) cannot be copied; its average is a
+    :class:`ShardedAverage` instead: tensors shaped like this rank's shards, averaged
+    with the same multi-tensor ops (local to each shard: no communication), and run
+    by swapping them into the model's shards for a forward pass. ``averaged_weights()``
+    gathers the full averaged weights for export.
     """
 
     plugin_name: ClassVar[str] = "ema"
@@ -58,7 +65,7 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     num_updates: int = attrs.field(default=0, validator=int_at_least(0))
     priority: int = attrs.field(default=50, validator=strict_int)
 
-    _averaged: AveragedModel | None = attrs.field(init=False, default=None, repr=False)
+    _averaged: AveragedModel | ShardedAverage | None = attrs.field(init=False, default=None, repr=False)
     _models: Mapping[str, torch.nn.Module] | None = attrs.field(init=False, default=None, repr=False)
     _pending: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
     _plan: _UpdatePlan | None = attrs.field(init=False, default=None, repr=False)
@@ -91,12 +98,27 @@ class EMAHook(nvtrain.TrainingUpdateHook):
         self._models = ctx.models
         self._ensure_averaged()
 
-    def get_averaged_model(self) -> AveragedModel:
-        """The averaged copy (an AveragedModel: calling it runs the copied module), its count up to date."""
+    def get_averaged_model(self) -> AveragedModel | ShardedAverage:
+        """The averaged copy (an AveragedModel: calling it runs the copied module), its count up to date.
+
+        For a model sharded with FSDP, a :class:`ShardedAverage`: calling it runs the model
+        with the averaged weights in its shards (every rank must call it, as for the model).
+        """
         averaged = self._ensure_averaged()
         assert self._plan is not None
         self._plan.publish_count()
         return averaged
+
+    def averaged_weights(self) -> dict[str, torch.Tensor]:
+        """The averaged weights keyed like the plain model's ``state_dict()``, full tensors on the CPU.
+
+        Loads into a plain model (for export or inference). For a sharded model this
+        gathers every shard: a collective, to call on every rank.
+        """
+        averaged = self.get_averaged_model()
+        if isinstance(averaged, ShardedAverage):
+            return averaged.gathered_state_dict()
+        return {name: value.detach().to("cpu", copy=True) for name, value in averaged.module.state_dict().items()}
 
     # -- checkpoint state ------------------------------------------------------------------
 
@@ -136,7 +158,7 @@ class EMAHook(nvtrain.TrainingUpdateHook):
             ) from None
         return unwrap_model(model)
 
-    def _ensure_averaged(self) -> AveragedModel:
+    def _ensure_averaged(self) -> AveragedModel | ShardedAverage:
         if self._averaged is not None:
             return self._averaged
         if self._models is None:
@@ -145,18 +167,27 @@ class EMAHook(nvtrain.TrainingUpdateHook):
                 "TrainingStrategy and train (or validate) first"
             )
         source = self._source(self._models)
-        averaged = AveragedModel(source, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=self.use_buffers)
-        modify = getattr(averaged.module, "modify_ema_methods", None)
-        if callable(modify):
-            modify()
+        averaged: AveragedModel | ShardedAverage
+        if _is_sharded(source):
+            averaged = ShardedAverage(source, use_buffers=self.use_buffers)
+        else:
+            averaged = AveragedModel(
+                source, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=self.use_buffers
+            )
+            modify = getattr(averaged.module, "modify_ema_methods", None)
+            if callable(modify):
+                modify()
         if self._pending is not None:
             self._load_averaged(averaged, self._pending)
             self._pending = None
-        self._plan = _UpdatePlan.pair(averaged, source, use_buffers=self.use_buffers)
+        if isinstance(averaged, ShardedAverage):
+            self._plan = _UpdatePlan.pair_sharded(averaged, source)
+        else:
+            self._plan = _UpdatePlan.pair(averaged, source, use_buffers=self.use_buffers)
         self._averaged = averaged
         return averaged
 
-    def _load_averaged(self, averaged: AveragedModel, state: Mapping[str, Any]) -> None:
+    def _load_averaged(self, averaged: AveragedModel | ShardedAverage, state: Mapping[str, Any]) -> None:
         try:
             averaged.load_state_dict(state)
         except RuntimeError as err:
@@ -178,7 +209,7 @@ class _UpdatePlan:
     the averaged model handed out), not by a kernel launch per update.
     """
 
-    averaged: AveragedModel
+    averaged: AveragedModel | ShardedAverage
     #: Floating-point tensors: averaged with ``lerp``.
     lerp_dst: list[torch.Tensor]
     lerp_src: list[torch.Tensor]
@@ -215,6 +246,29 @@ class _UpdatePlan:
             n_averaged=int(averaged.n_averaged),
         )
 
+    @classmethod
+    def pair_sharded(cls, averaged: ShardedAverage, source: torch.nn.Module) -> _UpdatePlan:
+        """The local shards of the average with the model's local shards (DTensors of the same placements,
+        so each rank averages its own part: no communication, and no DTensor dispatch per update)."""
+        pairs = [
+            (_local(d), _local(s))
+            for d, s in zip(
+                [*averaged.averaged_parameters, *averaged.averaged_buffers],
+                [*source.parameters(), *averaged.source_buffers()],
+                strict=True,
+            )
+        ]
+        lerp = [(d, s) for d, s in pairs if d.is_floating_point() or d.is_complex()]
+        copied = [(d, s) for d, s in pairs if not (d.is_floating_point() or d.is_complex())]
+        return cls(
+            averaged=averaged,
+            lerp_dst=[d for d, _ in lerp],
+            lerp_src=[s for _, s in lerp],
+            copy_dst=[d for d, _ in copied],
+            copy_src=[s for _, s in copied],
+            n_averaged=int(averaged.n_averaged),
+        )
+
     @torch.no_grad()
     def update(self, decay: float) -> None:
         if self.n_averaged == 0:
@@ -228,3 +282,133 @@ class _UpdatePlan:
     def publish_count(self) -> None:
         """Write the host count into the copy's ``n_averaged`` buffer (in place, no host-device sync)."""
         self.averaged.n_averaged.fill_(self.n_averaged)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (its storage: in-place ops on it change the DTensor); other tensors as they are."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are DTensors (FSDP2's ``fully_shard``, or tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class ShardedAverage(torch.nn.Module):
+    """The average of a model whose parameters are DTensor shards (FSDP), kept sharded like them.
+
+    FSDP modules cannot be deep-copied, so instead of a copy of the model this holds
+    one tensor per parameter, shaped and placed like the model's shard on this rank
+    (``use_buffers=True``: one per floating-point buffer too; buffers are replicated).
+    Each rank averages only its own shards, so an update needs no communication.
+
+    Calling it runs the model with the averaged weights in its shards: they are
+    copied in (the model's own weights kept aside in a buffer of the same size),
+    the model runs (gathering the shards as in training), and its weights are copied
+    back, even when the forward raises. The model runs in this module's training
+    mode. Every rank must call it, as for the model.
+
+    ``state_dict()`` has the layout of an :class:`~torch.optim.swa_utils.AveragedModel`
+    of the plain model (``module.<name>`` and ``n_averaged``), with DTensor values;
+    ``load_state_dict()`` takes DTensors or full tensors (each rank keeps its shard).
+    """
+
+    def __init__(self, source: torch.nn.Module, *, use_buffers: bool = False) -> None:
+        super().__init__()
+        # The model is not a submodule: its weights are not part of the average's state.
+        object.__setattr__(self, "source", source)
+        self.use_buffers = use_buffers
+        with torch.no_grad():
+            self._param_names = [name for name, _ in source.named_parameters()]
+            self.averaged_parameters: list[torch.Tensor] = [p.detach().clone() for p in source.parameters()]
+            named_buffers = [(name, b) for name, b in source.named_buffers()] if use_buffers else []
+            self._buffer_names = [name for name, _ in named_buffers]
+            self.averaged_buffers: list[torch.Tensor] = [b.detach().clone() for _, b in named_buffers]
+        first = next(iter(source.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+        self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long, device=device))
+        self._kept: list[torch.Tensor] | None = None
+
+    source: torch.nn.Module
+    n_averaged: torch.Tensor
+
+    def source_buffers(self) -> list[torch.Tensor]:
+        """The model's buffers that are averaged (``use_buffers``), in the order of ``averaged_buffers``."""
+        buffers = dict(self.source.named_buffers())
+        return [buffers[name] for name in self._buffer_names]
+
+    def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The model's and the average's local shards, paired."""
+        live = [_local(t) for t in (*self.source.parameters(), *self.source_buffers())]
+        return live, [_local(t) for t in (*self.averaged_parameters, *self.averaged_buffers)]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        live, averaged = self._pairs()
+        with torch.no_grad():
+            if self._kept is None:
+                self._kept = [t.detach().clone() for t in live]
+            else:
+                torch._foreach_copy_(self._kept, live)
+            torch._foreach_copy_(live, averaged)
+        was_training = self.source.training
+        try:
+            self.source.train(self.training)
+            return self.source(*args, **kwargs)
+        finally:
+            self.source.train(was_training)
+            with torch.no_grad():
+                torch._foreach_copy_(live, self._kept)
+
+    def _named_entries(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from zip(self._param_names, self.averaged_parameters, strict=True)
+        if self.use_buffers:
+            yield from zip(self._buffer_names, self.averaged_buffers, strict=True)
+        else:  # as in an AveragedModel's copy: the buffers follow the model's
+            yield from self.source.named_buffers()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """``module.<name>`` for each averaged tensor (DTensor shards, live references) and ``n_averaged``."""
+        state: dict[str, Any] = OrderedDict(("module." + name, value) for name, value in self._named_entries())
+        state["n_averaged"] = self.n_averaged
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Copy a state of :meth:`state_dict`'s layout in; full tensors are cut to this rank's shard."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        expected = {"module." + name for name, _ in self._named_entries()} | {"n_averaged"}
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if missing or unexpected:
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for ShardedAverage: missing keys {missing}, unexpected keys "
+                f"{unexpected}"
+            )
+        for name, target in self._named_entries():
+            value = state_dict["module." + name]
+            if isinstance(target, DTensor) and not isinstance(value, DTensor):
+                if tuple(value.shape) != tuple(target.shape):
+                    raise RuntimeError(
+                        f"Error(s) in loading state_dict for ShardedAverage: size mismatch for module.{name}: "
+                        f"copying a param with shape {tuple(value.shape)}, the shape in current model is "
+                        f"{tuple(target.shape)}"
+                    )
+                value = distribute_tensor(
+                    value.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+                )
+            target.copy_(value)
+        self.n_averaged.copy_(state_dict["n_averaged"])
+        return None
+
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """The averaged weights keyed like the plain model, gathered into full tensors on the CPU (a collective)."""
+        from torch.distributed.tensor import DTensor
+
+        gathered = {}
+        for name, value in self._named_entries():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            gathered[name] = full.detach().to("cpu", copy=True)
+        return gathered

@@ -1,0 +1,326 @@
+"""What the data-parallel plugins (``nvtrain-ddp``, ``nvtrain-fsdp``) share.
+
+- The process group they train over (:func:`resolve_process_group`): the hook's own,
+  else the strategy's ``distributed_manager``'s, else the default group, else (with
+  ``auto_init``) one initialised from torchrun's environment.
+- A distributed sampler for the training loader (:class:`LoaderSharding`): a
+  ``DataLoader`` refuses a new sampler after construction, so it is rebuilt with
+  the same arguments and the new sampler; ``set_epoch`` every epoch.
+- The rule that one strategy has one data-parallel hook
+  (:func:`refuse_other_data_parallel`): DDP replicates a model, FSDP shards it, and
+  a model cannot be both.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
+
+from nvtrain.distributed import TorchrunEnv, default_backend
+
+if TYPE_CHECKING:
+    from nvtrain.context import TrainingContext
+
+__all__ = [
+    "INFERRED_KEYWORDS",
+    "LoaderSharding",
+    "as_sampler_factory",
+    "as_sampler_kwargs",
+    "distributed_loader",
+    "has_distributed_sampler",
+    "rebuild_loader",
+    "refuse_other_data_parallel",
+    "resolve_process_group",
+    "samplers_of",
+    "set_sampler_epoch",
+    "unsupported_reason",
+]
+
+#: Sampler keywords nvtrain infers (from the process group and the loader) when the sampler accepts them.
+INFERRED_KEYWORDS = ("num_replicas", "rank", "shuffle", "seed", "drop_last")
+
+
+# -- the process group ---------------------------------------------------------------------------
+
+
+def resolve_process_group(
+    owner: str,
+    *,
+    explicit: Any,
+    manager: Any,
+    auto_init: bool,
+    backend: str | None,
+    device: torch.device,
+) -> tuple[Any, bool]:
+    """``(group, created)``: the group ``owner`` trains over, or ``(None, False)`` in a single process.
+
+    ``explicit`` (the hook's ``process_group``), else the manager's ``process_group``, else
+    the default group when ``torch.distributed`` is initialised; otherwise, with
+    ``WORLD_SIZE > 1`` in the environment and ``auto_init``, a default group initialised
+    here from torchrun's variables (``created`` is then True: the caller destroys it).
+    """
+    if explicit is not None:
+        if not dist.is_initialized():
+            raise RuntimeError(f"{owner}.process_group was given but torch.distributed is not initialised")
+        return explicit, False
+    group = getattr(manager, "process_group", None)
+    if group is not None:
+        return group, False
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD, False
+    env = TorchrunEnv.from_environ()
+    if env.world_size <= 1:
+        return None, False
+    if not auto_init:
+        raise RuntimeError(
+            f"{owner}: WORLD_SIZE={env.world_size} but torch.distributed is not initialised and "
+            "auto_init=False; call nvtrain.DistributedManager.initialize() and pass the manager as "
+            f"TrainingStrategy(distributed_manager=...), or set {owner}(auto_init=True)"
+        )
+    dist.init_process_group(
+        backend=backend or default_backend(device), init_method="env://", rank=env.rank, world_size=env.world_size
+    )
+    return dist.group.WORLD, True
+
+
+def refuse_other_data_parallel(ctx: TrainingContext, owner: object) -> None:
+    """Raise when the strategy has another data-parallel hook besides ``owner`` (a DDP and an FSDP hook).
+
+    Data-parallel hooks mark themselves with a true ``data_parallel`` class attribute.
+    """
+    strategy = ctx.strategy
+    if strategy is None:
+        return
+    from nvtrain.state import strategy_hooks
+
+    others = [
+        hook
+        for hook in strategy_hooks(strategy)  # type: ignore[arg-type]
+        if hook is not owner and not isinstance(hook, type) and getattr(hook, "data_parallel", False) is True
+    ]
+    if others:
+        names = sorted({type(owner).__name__, *(type(hook).__name__ for hook in others)})
+        raise ValueError(
+            f"{' and '.join(names)} are both registered on this strategy, and each wraps the models for data "
+            "parallelism: they do not combine (a model is either replicated, by DDP, or sharded, by FSDP). "
+            "Keep one: FSDPHook shards parameters, gradients and optimizer state over the ranks; DDPHook "
+            "keeps a full replica on every rank"
+        )
+
+
+# -- settings ------------------------------------------------------------------------------------
+
+
+def as_sampler_factory(owner: str, value: Any) -> Callable[..., Any]:
+    """``<owner>.sampler_cls`` converted: a callable, or a dotted path to one (``"pkg.module.Name"`` or
+    ``"pkg.module:Name"``, for configs)."""
+    if isinstance(value, str):
+        module_name, sep, attr = value.rpartition(":") if ":" in value else value.rpartition(".")
+        if not sep or not module_name or not attr:
+            raise ValueError(
+                f"{owner}.sampler_cls: {value!r} is not a dotted path such as 'torch.utils.data.DistributedSampler'"
+            )
+        try:
+            value = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"{owner}.sampler_cls: cannot import {value!r} ({err})") from err
+    if not callable(value):
+        raise TypeError(f"{owner}.sampler_cls must be a sampler class or factory (got {value!r})")
+    return value  # type: ignore[no-any-return]
+
+
+def as_sampler_kwargs(owner: str, value: Any) -> dict[str, Any]:
+    """``<owner>.sampler_kwargs`` converted: keyword names to values, without ``dataset``."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{owner}.sampler_kwargs must be a mapping of keyword -> value (got {value!r})")
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"{owner}.sampler_kwargs keys must be keyword names (got {key!r})")
+    if "dataset" in value:
+        raise ValueError(f"{owner}.sampler_kwargs must not hold 'dataset': the loader's dataset is passed first")
+    return dict(value)
+
+
+# -- the training loader -------------------------------------------------------------------------
+
+
+class LoaderSharding:
+    """One hook's sharding of training loaders: injection, its warnings, and ``set_epoch``.
+
+    ``owner`` names the hook in messages; ``variable`` is how the docs call an instance
+    (``ddp_hook``), for the advice to shard a late loader by hand.
+    """
+
+    __slots__ = ("owner", "prepared", "variable", "warned")
+
+    def __init__(self, owner: str, variable: str) -> None:
+        self.owner = owner
+        self.variable = variable
+        #: The loader the hook last saw at SETUP or BEFORE_TRAINING.
+        self.prepared: Any = None
+        #: Whether the warning about a loader that cannot take a sampler was given.
+        self.warned = False
+
+    def shard(
+        self,
+        loader: Any,
+        *,
+        sampler_cls: Callable[..., Any],
+        sampler_kwargs: dict[str, Any],
+        rank: int,
+        world_size: int,
+    ) -> Any:
+        """``loader`` with a distributed sampler; unchanged when it has one or cannot take one (one warning)."""
+        if has_distributed_sampler(loader):
+            return loader
+        reason = unsupported_reason(loader)
+        if reason is not None:
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"{self.owner}: no distributed sampler was injected into the train loader because {reason}; "
+                    "each rank must read its own shard (ctx.rank of ctx.world_size)",
+                    stacklevel=4,
+                )
+            return loader
+        return distributed_loader(
+            loader,
+            sampler_cls=sampler_cls,
+            sampler_kwargs=sampler_kwargs,
+            rank=rank,
+            world_size=world_size,
+            owner=self.owner,
+        )
+
+    def check_late_loader(self, loader: Any) -> None:
+        """Warn when ``run()`` got a loader after SETUP that does not shard (it can no longer be swapped)."""
+        if loader is None or loader is self.prepared:
+            return
+        self.prepared = loader
+        if not has_distributed_sampler(loader) and unsupported_reason(loader) is None:
+            warnings.warn(
+                f"{self.owner}: run() got a train loader without a distributed sampler after the strategy was set "
+                "up (SETUP shards only the loader it sees), so every rank reads all of it. Shard it yourself: "
+                f"strategy.run({self.variable}.shard(loader)), or run again on strategy.ctx.train_loader",
+                stacklevel=3,
+            )
+
+
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """``set_epoch(epoch)`` on every sampler of ``loader`` that has it (idempotent)."""
+    for sampler in samplers_of(loader):
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+def samplers_of(loader: Any) -> Iterator[Any]:
+    """The loader's sampler, batch sampler and the batch sampler's sampler (each once)."""
+    seen: set[int] = set()
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for candidate in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        if candidate is not None and id(candidate) not in seen:
+            seen.add(id(candidate))
+            yield candidate
+
+
+def has_distributed_sampler(loader: Any) -> bool:
+    """Whether the loader already shards by rank (its sampler or batch sampler is distributed)."""
+    return any(isinstance(s, DistributedSampler) for s in samplers_of(loader))
+
+
+def unsupported_reason(loader: Any) -> str | None:
+    """Why a sampler cannot be injected into ``loader`` (None when it can)."""
+    if not isinstance(loader, DataLoader):
+        return f"it is a {type(loader).__name__}, not a torch DataLoader"
+    if isinstance(loader.dataset, IterableDataset):
+        return "its dataset is an IterableDataset, which has no sampler"
+    if loader.batch_sampler is not None and (
+        loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler
+    ):
+        return f"it has a custom batch_sampler ({type(loader.batch_sampler).__name__})"
+    return None
+
+
+def _accepted_keywords(factory: Callable[..., Any]) -> frozenset[str]:
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return frozenset(INFERRED_KEYWORDS)
+    names = {p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    return frozenset(name for name in INFERRED_KEYWORDS if name in names)
+
+
+def distributed_loader(
+    loader: DataLoader[Any],
+    *,
+    sampler_cls: Callable[..., Any],
+    sampler_kwargs: dict[str, Any],
+    rank: int,
+    world_size: int,
+    owner: str = "nvtrain",
+) -> DataLoader[Any]:
+    """``loader`` rebuilt with ``sampler_cls(dataset, **kwargs)``.
+
+    ``num_replicas`` and ``rank`` come from the process group, ``shuffle`` from
+    whether the loader's sampler is a RandomSampler, ``drop_last`` from the loader,
+    ``seed`` is 0 (equal on every rank, as it must be); each only when the sampler
+    accepts the keyword, and ``sampler_kwargs`` override them.
+    """
+    inferred = {
+        "num_replicas": world_size,
+        "rank": rank,
+        "shuffle": isinstance(loader.sampler, RandomSampler),
+        "seed": 0,
+        "drop_last": loader.drop_last,
+    }
+    accepted = _accepted_keywords(sampler_cls)
+    kwargs = {name: value for name, value in inferred.items() if name in accepted}
+    kwargs.update(sampler_kwargs)
+    sampler = sampler_cls(loader.dataset, **kwargs)
+    return rebuild_loader(loader, sampler, owner=owner)
+
+
+def rebuild_loader(loader: DataLoader[Any], sampler: Any, *, owner: str = "nvtrain") -> DataLoader[Any]:
+    """A new loader of the same class with every DataLoader argument of ``loader`` and ``sampler``."""
+    kwargs: dict[str, Any] = {
+        "dataset": loader.dataset,
+        "batch_size": loader.batch_size,
+        "sampler": sampler,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if hasattr(loader, "in_order"):
+        kwargs["in_order"] = loader.in_order
+    cls = type(loader)
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        if cls is DataLoader:
+            raise
+        raise TypeError(
+            f"{owner}: cannot rebuild the {cls.__qualname__} train loader with a distributed sampler, its "
+            f"constructor does not take DataLoader's arguments ({err}); build it with "
+            "sampler=DistributedSampler(dataset) yourself"
+        ) from err

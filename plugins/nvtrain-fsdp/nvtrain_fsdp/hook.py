@@ -1,0 +1,424 @@
+"""FSDPHook: shards the trained models with torch's fully_shard (FSDP2) at SETUP and shards the data."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+import nvtrain
+from nvtrain.data_parallel import (
+    LoaderSharding,
+    as_sampler_factory,
+    as_sampler_kwargs,
+    refuse_other_data_parallel,
+    resolve_process_group,
+    set_sampler_epoch,
+)
+from nvtrain.validators import FieldTypeError, FieldValueError, a_bool, optional_non_empty_str
+from nvtrain_fsdp.sharding import gathered_state_dict, shard_model
+
+__all__ = ["FSDPHook"]
+
+logger = logging.getLogger(__name__)
+
+#: Spellings a config may use for the dtypes FSDP's mixed precision takes.
+_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "torch.bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "torch.float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "torch.float16": torch.float16,
+}
+_EXPECTED_DTYPE = "None, 'bf16' or 'fp32' (or torch.bfloat16 / torch.float32)"
+
+
+# -- field converters ---------------------------------------------------------------------
+
+
+def _as_model_keys(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    keys = (value,) if isinstance(value, str) else value
+    if not isinstance(keys, Iterable) or isinstance(keys, Mapping):
+        raise FieldTypeError(
+            f"FSDPHook.model_keys must be a str, a sequence of str or None (got {value!r})",
+            owner="FSDPHook", field="model_keys", value=value, expected="a str, a sequence of str or None",
+        )
+    keys = tuple(keys)
+    if not keys or not all(isinstance(key, str) and key for key in keys) or len(set(keys)) != len(keys):
+        raise FieldValueError(
+            f"FSDPHook.model_keys must name at least one model, each once, by a non-empty str (got {value!r})",
+            owner="FSDPHook", field="model_keys", value=value, expected="distinct non-empty model names",
+        )
+    return keys
+
+
+def _as_class_names(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, Iterable) or isinstance(names, Mapping):
+        raise FieldTypeError(
+            f"FSDPHook.shard_classes must be a class name or a sequence of class names (got {value!r})",
+            owner="FSDPHook", field="shard_classes", value=value, expected="a sequence of class names",
+        )
+    names = tuple(names)
+    if not all(isinstance(name, str) and name.isidentifier() for name in names):
+        raise FieldValueError(
+            f"FSDPHook.shard_classes must hold module class names such as 'TransformerBlock' (got {value!r})",
+            owner="FSDPHook", field="shard_classes", value=value, expected="module class names",
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _as_dtype(field: str, value: Any) -> torch.dtype | None:
+    if value is None:
+        return None
+    dtype = _DTYPES.get(value.lower()) if isinstance(value, str) else value
+    if dtype == torch.float16:
+        raise FieldValueError(
+            f"FSDPHook.{field} must be {_EXPECTED_DTYPE} (got {value!r}): float16 needs loss scaling that "
+            "agrees across the shards, which this plugin does not provide; bfloat16 needs none",
+            owner="FSDPHook", field=field, value=value, expected=_EXPECTED_DTYPE,
+        )
+    if not isinstance(dtype, torch.dtype) or dtype not in (torch.bfloat16, torch.float32):
+        raise FieldValueError(
+            f"FSDPHook.{field} must be {_EXPECTED_DTYPE} (got {value!r})",
+            owner="FSDPHook", field=field, value=value, expected=_EXPECTED_DTYPE,
+        )
+    return dtype
+
+
+def _as_param_dtype(value: Any) -> torch.dtype | None:
+    return _as_dtype("param_dtype", value)
+
+
+def _as_reduce_dtype(value: Any) -> torch.dtype | None:
+    return _as_dtype("reduce_dtype", value)
+
+
+def _as_output_dtype(value: Any) -> torch.dtype | None:
+    return _as_dtype("output_dtype", value)
+
+
+def _as_sampler_cls(value: Any) -> Callable[..., Any]:
+    return as_sampler_factory("FSDPHook", value)
+
+
+def _as_sampler_kwargs(value: Any) -> dict[str, Any]:
+    return as_sampler_kwargs("FSDPHook", value)
+
+
+# -- the hook --------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class FSDPHook:
+    """Shards the trained models over the ranks with ``fully_shard`` (FSDP2) at SETUP, and shards the data.
+
+    - SETUP (after every other setup implementation, so fine-tuning patches that change
+      ``requires_grad`` come first): resolves the process group (``process_group``, else
+      the strategy's ``distributed_manager``'s, else the default group; with ``auto_init``
+      one is initialised from torchrun's environment), builds a one-dimensional
+      ``DeviceMesh`` over it and applies ``fully_shard`` to each unit of the model (the
+      modules whose class is in ``shard_classes``, else each top-level child), then to
+      the root. ``ctx.models[key]`` stays the same object, now with DTensor parameters,
+      so the optimizers built next hold the shards. ``ctx.train_loader`` gets a
+      distributed sampler.
+    - BEFORE_EPOCH: ``sampler.set_epoch(ctx.epoch)``.
+    - BEFORE_FORWARD: on a micro-batch that does not end an accumulation window
+      (``ctx.sync_gradients`` False) the sharded models skip the gradient
+      reduce-scatter (``set_requires_gradient_sync(False)``: the unsharded gradients
+      accumulate locally); the micro-batch that ends the window reduce-scatters once.
+    - ``close()`` turns gradient synchronisation back on and destroys the process group
+      only if this hook created it. The models stay sharded (FSDP2 has no unshard-in-place);
+      :meth:`gathered_state_dict` gives their full weights.
+
+    Mixed precision: ``param_dtype`` / ``reduce_dtype`` form FSDP's ``MixedPrecisionPolicy``
+    (parameters all-gathered and computed in ``param_dtype``, gradients reduce-scattered in
+    ``reduce_dtype``, shards and optimizer state kept in float32). It is refused together
+    with the amp plugin's autocast (a second cast of the same forward), and the amp
+    plugin's fp16 loss scaling is refused under FSDP altogether.
+
+    In a single process (no process group and ``WORLD_SIZE`` at most 1) the hook does
+    nothing, so one script runs under ``python`` and ``torchrun`` alike.
+    """
+
+    plugin_name: ClassVar[str] = "fsdp"
+    priority: ClassVar[int] = 50
+    #: Wraps models for data parallelism: no other such hook (DDP) may be registered beside it.
+    data_parallel: ClassVar[bool] = True
+
+    #: Models to shard; None shards every model that has an optimizer.
+    model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_model_keys)
+    #: Class names of the submodules sharded as units of their own (transformer blocks); empty: each
+    #: top-level child that has parameters. The root is always sharded last.
+    shard_classes: tuple[str, ...] = attrs.field(default=(), converter=_as_class_names)
+    #: Free each unit's gathered parameters after its forward (all-gather again in backward): less memory,
+    #: one more all-gather per unit and step. The root keeps its parameters (FSDP's own rule).
+    reshard_after_forward: bool = attrs.field(default=True, validator=a_bool)
+    #: Dtype the parameters are all-gathered and computed in (None: their own, float32).
+    param_dtype: torch.dtype | None = attrs.field(default=None, converter=_as_param_dtype)
+    #: Dtype the gradients are reduce-scattered in (None: ``param_dtype``, else float32).
+    reduce_dtype: torch.dtype | None = attrs.field(default=None, converter=_as_reduce_dtype)
+    #: Dtype of the root module's outputs (None: float32 when ``param_dtype`` is set, so the loss is computed
+    #: in full precision as under autocast; else as the model returns them).
+    output_dtype: torch.dtype | None = attrs.field(default=None, converter=_as_output_dtype)
+    #: Keep the shards, their gradients and the optimizer step on the CPU (CUDA training only).
+    cpu_offload: bool = attrs.field(default=False, validator=a_bool)
+    #: Broadcast rank 0's parameters and buffers before sharding, so every rank shards the same model (DDP
+    #: does the same at construction). False when every rank built identical weights already.
+    sync_module_states: bool = attrs.field(default=True, validator=a_bool)
+    #: Explicit process group; None: the manager's, else the default group.
+    process_group: Any = None
+    #: Backend when this hook initialises torch.distributed (None: NCCL on CUDA, gloo otherwise).
+    backend: str | None = attrs.field(
+        default=None, validator=optional_non_empty_str("backend name such as 'nccl' or 'gloo'")
+    )
+    auto_init: bool = attrs.field(default=True, validator=a_bool)
+    sampler_cls: Callable[..., Any] = attrs.field(default=DistributedSampler, converter=_as_sampler_cls)
+    sampler_kwargs: dict[str, Any] = attrs.field(factory=dict, converter=_as_sampler_kwargs)
+
+    _ctx: nvtrain.TrainingContext | None = attrs.field(init=False, default=None, repr=False)
+    _group: Any = attrs.field(init=False, default=None, repr=False)
+    _mesh: DeviceMesh | None = attrs.field(init=False, default=None, repr=False)
+    _active: bool = attrs.field(init=False, default=False, repr=False)
+    _owns_group: bool = attrs.field(init=False, default=False, repr=False)
+    _sharded: dict[str, FSDPModule] = attrs.field(init=False, factory=dict, repr=False)
+    _units: dict[str, list[str]] = attrs.field(init=False, factory=dict, repr=False)
+    #: The gradient-sync flag last set on the sharded models (set only when it changes).
+    _syncing: bool = attrs.field(init=False, default=True, repr=False)
+    _loaders: LoaderSharding = attrs.field(
+        init=False, factory=lambda: LoaderSharding("FSDPHook", "fsdp_hook"), repr=False
+    )
+
+    # -- SETUP -------------------------------------------------------------------------------
+
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
+    def setup(self, ctx: nvtrain.TrainingContext) -> None:
+        """Refuse what does not combine, resolve the group, shard the models, inject the sampler."""
+        self._ctx = ctx
+        refuse_other_data_parallel(ctx, self)
+        self._refuse_autocast(ctx)
+        manager = getattr(ctx.strategy, "distributed_manager", None)
+        group, self._owns_group = resolve_process_group(
+            "FSDPHook",
+            explicit=self.process_group,
+            manager=manager,
+            auto_init=self.auto_init,
+            backend=self.backend,
+            device=ctx.device,
+        )
+        if group is None:
+            ignored = [
+                name for name in ("param_dtype", "reduce_dtype", "output_dtype") if getattr(self, name) is not None
+            ] + (["cpu_offload"] if self.cpu_offload else [])
+            logger.info("FSDPHook: single process (no process group, WORLD_SIZE <= 1); models are not sharded")
+            if ignored:
+                logger.warning(
+                    "FSDPHook: single process, so the models are not sharded and %s have no effect "
+                    "(MixedPrecisionHook gives bf16 in one process)",
+                    ", ".join(ignored),
+                )
+            return
+        if self.cpu_offload and ctx.device.type != "cuda":
+            raise FieldValueError(
+                f"FSDPHook.cpu_offload=True needs a CUDA device: it keeps the shards and the optimizer step on the "
+                f"CPU and computes on the GPU, but this strategy trains on {str(ctx.device)!r}; set "
+                "cpu_offload=False (on the CPU the shards are in host memory already)",
+                owner="FSDPHook", field="cpu_offload", value=True, expected="False on a CPU device",
+            )
+        self._group, self._active = group, True
+        world_size = dist.get_world_size(group)
+        if ctx.world_size == 1 and world_size > 1:
+            ctx.rank, ctx.world_size = dist.get_rank(group), world_size
+        self._mesh = DeviceMesh.from_group(group, device_type=ctx.device.type, mesh_dim_names=("dp",))
+        for key in self._keys(ctx):
+            model = ctx.models[key]
+            if isinstance(model, FSDPModule):
+                self._sharded[key] = model  # sharded by the caller: used as it is
+                continue
+            self._shard(key, model)
+        self._prepare_loader(ctx)
+
+    def _refuse_autocast(self, ctx: nvtrain.TrainingContext) -> None:
+        """The amp plugin's autocast with FSDP's param_dtype casts twice; its fp16 scaling is not shard-aware."""
+        strategy = ctx.strategy
+        if strategy is None:
+            return
+        from nvtrain.state import strategy_hooks
+
+        for hook in strategy_hooks(strategy):  # type: ignore[arg-type]
+            if getattr(hook, "exclusive_key", None) != "mixed_precision" or isinstance(hook, type):
+                continue
+            dtype = getattr(hook, "dtype", None)
+            name = type(hook).__name__
+            if dtype == torch.float16:
+                raise ValueError(
+                    f"FSDPHook and {name}(precision=fp16) do not combine: fp16 loss scaling must agree on "
+                    "inf/NaN gradients across the shards, and GradScaler checks only this rank's shard, so the "
+                    "ranks could disagree about skipping a step. Train in bf16 (FSDPHook(param_dtype='bf16'), "
+                    f"without {name}), which needs no loss scaling"
+                )
+            if dtype == torch.bfloat16 and self.param_dtype is not None:
+                raise ValueError(
+                    f"FSDPHook.param_dtype={self.param_dtype} and {name}(precision=bf16) both cast the forward "
+                    "pass: FSDP all-gathers the parameters in param_dtype and autocast casts every op again. "
+                    f"Use one: FSDPHook(param_dtype='bf16') without {name} (recommended under FSDP: half the "
+                    f"all-gather traffic and gathered-parameter memory), or {name} with FSDPHook(param_dtype=None)"
+                )
+
+    def _keys(self, ctx: nvtrain.TrainingContext) -> tuple[str, ...]:
+        if self.model_keys is None:
+            strategy = ctx.strategy
+            return tuple(strategy.optimizers) if strategy is not None else tuple(ctx.models)
+        for key in self.model_keys:
+            if key not in ctx.models:
+                raise FieldValueError(
+                    f"FSDPHook.model_keys: no model named {key!r} (models: {sorted(ctx.models)})",
+                    owner="FSDPHook", field="model_keys", value=self.model_keys, expected=f"names among {sorted(ctx.models)}",
+                )
+        return self.model_keys
+
+    def _mp_policy(self) -> MixedPrecisionPolicy:
+        output = self.output_dtype
+        if output is None and self.param_dtype is not None:
+            output = torch.float32
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, output_dtype=output)
+
+    def _shard(self, key: str, model: torch.nn.Module) -> None:
+        if isinstance(model, (DistributedDataParallel, torch.nn.DataParallel)):
+            raise ValueError(
+                f"FSDPHook: model {key!r} is wrapped in {type(model).__name__}; FSDP shards the plain module. "
+                "Pass the model itself (and no DDPHook)"
+            )
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError(f"FSDPHook: model {key!r} has no trainable parameters; leave it out of model_keys")
+        assert self._mesh is not None
+        devices = {p.device for p in model.parameters()}
+        mesh_type = self._mesh.device_type
+        if any(device.type != mesh_type for device in devices):
+            raise ValueError(
+                f"FSDPHook: model {key!r} has parameters on {sorted(str(d) for d in devices)} but the strategy trains "
+                f"on {mesh_type}; move the model to the strategy's device (TrainingStrategy does so before SETUP)"
+            )
+        if self.sync_module_states:
+            _broadcast_from_first_rank(model, self._group)
+        self._units[key] = shard_model(
+            model,
+            self._mesh,
+            shard_classes=self.shard_classes,
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=self._mp_policy(),
+            offload_policy=CPUOffloadPolicy() if self.cpu_offload else None,
+            key=key,
+        )
+        assert isinstance(model, FSDPModule)
+        self._sharded[key] = model
+
+    # -- data --------------------------------------------------------------------------------
+
+    @nvtrain.hookimpl
+    def before_training(self, ctx: nvtrain.TrainingContext) -> None:
+        """Warn when ``run()`` got a loader after SETUP that does not shard (it can no longer be swapped)."""
+        if self._active:
+            self._loaders.check_late_loader(ctx.train_loader)
+
+    def shard(self, loader: Any) -> Any:
+        """``loader`` with this hook's distributed sampler (unchanged in a single process or when it shards).
+
+        SETUP does this for the loader of the first ``run()``; use it for loaders given later.
+        """
+        if not self._active:
+            return loader
+        return self._loaders.shard(
+            loader,
+            sampler_cls=self.sampler_cls,
+            sampler_kwargs=self.sampler_kwargs,
+            rank=dist.get_rank(self._group),
+            world_size=dist.get_world_size(self._group),
+        )
+
+    def _prepare_loader(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.train_loader is not None:
+            ctx.train_loader = self.shard(ctx.train_loader)
+        self._loaders.prepared = ctx.train_loader
+
+    @nvtrain.hookimpl
+    def before_epoch(self, ctx: nvtrain.TrainingContext) -> None:
+        """``set_epoch(ctx.epoch)`` on every sampler of the loader that has it (idempotent)."""
+        set_sampler_epoch(ctx.train_loader, ctx.epoch)
+
+    # -- one reduce-scatter per optimizer step -----------------------------------------------
+
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
+    def before_forward(self, ctx: nvtrain.TrainingContext) -> None:
+        """Reduce-scatter gradients only in the backward of a window's last micro-batch."""
+        sync = ctx.sync_gradients
+        if sync is not self._syncing and self._sharded:
+            self._set_gradient_sync(sync)
+
+    def _set_gradient_sync(self, sync: bool) -> None:
+        for model in self._sharded.values():
+            model.set_requires_gradient_sync(sync)
+        self._syncing = sync
+
+    # -- inspection and lifetime -------------------------------------------------------------
+
+    @property
+    def sharded_models(self) -> dict[str, FSDPModule]:
+        """The models this hook sharded (or found sharded), by name."""
+        return dict(self._sharded)
+
+    @property
+    def units(self) -> dict[str, list[str]]:
+        """By model, the names of the submodules sharded as units, root (``""``) last."""
+        return {key: list(names) for key, names in self._units.items()}
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The device mesh the models are sharded over (None in a single process)."""
+        return self._mesh
+
+    def gathered_state_dict(self, key: str = "main") -> dict[str, torch.Tensor]:
+        """The full weights of model ``key`` on the CPU, keyed like the plain model (a collective: call it on
+        every rank). In a single process, the model's own state dict, copied to the CPU."""
+        models = self._ctx.models if self._ctx is not None else self._sharded
+        model = models.get(key)
+        if model is None:
+            raise KeyError(f"FSDPHook.gathered_state_dict: no model {key!r} (models: {sorted(models)})")
+        return gathered_state_dict(model)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Turn gradient synchronisation back on; destroy the process group only if this hook created it."""
+        if not self._syncing:
+            self._set_gradient_sync(True)
+        self._active = False
+        self._group = None
+        if self._owns_group:
+            self._owns_group = False
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+@torch.no_grad()
+def _broadcast_from_first_rank(model: torch.nn.Module, group: Any) -> None:
+    """Every rank takes the parameters and buffers of the group's first rank (once, at SETUP)."""
+    source = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    tensors = [t for t in (*model.parameters(), *model.buffers())]
+    for tensor in dict.fromkeys(tensors):  # tied weights once
+        dist.broadcast(tensor.data, src=source, group=group)

@@ -1,0 +1,374 @@
+"""Ranks of the multi-process nvtrain-fsdp tests: ``python fsdp_worker.py OUT_DIR SCENARIO [SCENARIO ...]``.
+
+Launched by the tests with the environment variables torchrun sets (never forked). The
+scenarios run one after another in the same processes (starting processes is the slow
+part), each with its own process group; a scenario writes ``OUT_DIR/<scenario>/rank<R>.pt``
+on every rank, and rank 0 also writes the single-process reference the test compares
+against (``reference.pt``), computed with plain torch on the same global batches.
+``NVTRAIN_TEST_PORTS`` (comma separated) gives each scenario its own ``MASTER_PORT``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from nvtrain_ema import EMAHook, ShardedAverage
+from nvtrain_fsdp import FSDPHook
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils.data import DataLoader, TensorDataset
+
+import nvtrain
+from nvtrain.hooks import GradientAccumulationHook, GradientClippingHook, SpikeSkipHook
+
+LR = 0.01
+LOCAL_BATCH = 4
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randn(n, 4, generator=generator), torch.randn(n, 3, generator=generator)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def global_batches(x: torch.Tensor, y: torch.Tensor, count: int, world_size: int) -> list[torch.Tensor]:
+    """Micro-batch k of the global batch: every rank's k-th shard batch, in rank order.
+
+    An unshuffled DistributedSampler gives rank r the samples r, r + W, r + 2W, ...
+    """
+    shards = [torch.arange(rank, x.shape[0], world_size) for rank in range(world_size)]
+    return [
+        torch.cat([shard[k * LOCAL_BATCH : (k + 1) * LOCAL_BATCH] for shard in shards]) for k in range(count)
+    ]
+
+
+def reference(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    steps: int,
+    world_size: int,
+    accumulation: int = 1,
+    max_norm: float | None = None,
+    skip: tuple[int, ...] = (),
+    ema_decay: float | None = None,
+    optimizer: Callable[[Any], torch.optim.Optimizer] = adamw,
+) -> dict[str, Any]:
+    """One process on the global batches, by hand: parameters, pre-clip norms and the EMA weights."""
+    model = make_model()
+    opt = optimizer(model.parameters())
+    batches = global_batches(x, y, steps * accumulation, world_size)
+    norms, ema = [], None
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for micro in range(accumulation):
+            index = batches[step * accumulation + micro]
+            loss = torch.nn.functional.mse_loss(model(x[index]), y[index]) / accumulation
+            loss.backward()
+        if max_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).detach().clone())
+        if step in skip:
+            continue
+        opt.step()
+        if ema_decay is not None:
+            weights = [p.detach().clone() for p in model.parameters()]
+            if ema is None:
+                ema = weights
+            else:
+                torch._foreach_lerp_(ema, weights, 1.0 - ema_decay)
+    return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms, "ema": ema}
+
+
+class CountReduceScatters:
+    """Counts FSDP's gradient reduce-scatters (``dist.reduce_scatter_single``) per micro-batch."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.per_micro_batch: list[int] = []
+        self._seen = 0
+        original = dist.reduce_scatter_single
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counting  # type: ignore[assignment]
+        self._restore = functools.partial(setattr, dist, "reduce_scatter_single", original)
+
+    @nvtrain.hookimpl
+    def after_backward(self, ctx: nvtrain.TrainingContext) -> None:
+        self.per_micro_batch.append(self.calls - self._seen)
+        self._seen = self.calls
+
+    def close(self) -> None:
+        self._restore()
+
+
+class RecordNorms:
+    """The gradient norm the clipping hook published, per real step (as the hook stored it)."""
+
+    def __init__(self) -> None:
+        self.norms: list[torch.Tensor] = []
+
+    @nvtrain.hookimpl
+    def after_optimizer_step(self, ctx: nvtrain.TrainingContext) -> None:
+        if "grad_norm" in ctx.metrics and ctx.sync_gradients:
+            self.norms.append(ctx.metrics["grad_norm"])
+
+
+class CommCountingEMA(EMAHook):
+    """EMAHook that records how many collectives each of its updates issued."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.comms: list[int] = []
+
+    def __call__(self, ctx: Any, stage: Any, will_skip: bool) -> Any:
+        with CommDebugMode() as mode:
+            result = super().__call__(ctx, stage, will_skip)
+        if not will_skip:
+            self.comms.append(mode.get_total_counts())
+        return result
+
+
+def save(out: Path, name: str, payload: dict[str, Any]) -> None:
+    tmp = out / f".{name}.tmp"
+    torch.save(payload, tmp)
+    os.replace(tmp, out / name)
+
+
+def gathered(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone() for p in model.parameters()]
+
+
+def finish(manager: nvtrain.DistributedManager | None) -> None:
+    # Tear the group down together: a rank that destroys it while the other is still inside
+    # gloo (rank 0 computes the reference) can abort that rank.
+    if dist.is_initialized():
+        dist.barrier()
+    if manager is not None:
+        nvtrain.DistributedManager.cleanup()
+
+
+def strategy_for(manager: Any, hooks: list[Any], **kwargs: Any) -> nvtrain.TrainingStrategy:
+    return nvtrain.TrainingStrategy(
+        make_model(),
+        kwargs.pop("optimizers", adamw),
+        torch.nn.functional.mse_loss,
+        hooks=hooks,
+        distributed_manager=manager,
+        device="cpu",
+        num_epochs=1,
+        **kwargs,
+    )
+
+
+# -- scenarios ----------------------------------------------------------------------------------------
+
+
+def equivalence(out: Path) -> None:
+    """2 ranks x batch 4 with AdamW == 1 process x batch 8; DTensor parameters held by the optimizer."""
+    manager = nvtrain.DistributedManager.initialize(device="cpu")
+    x, y = make_data(32)
+    counter = CountReduceScatters()
+    hook = FSDPHook()
+    strategy = strategy_for(manager, [hook, counter])
+    with strategy:
+        result = strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
+        model = strategy.ctx.models["main"]
+        params = list(model.parameters())
+        optimizer = strategy.ctx.optimizers["main"]
+        payload = {
+            "params": gathered(model),
+            "sharded": isinstance(model, FSDPModule),
+            "param_types": sorted({type(p).__name__ for p in params}),
+            "local_rows": [p.to_local().shape[0] for p in params],
+            "optimizer_holds_the_shards": [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in params],
+            "optimizer_state_types": sorted({type(v).__name__ for s in optimizer.state.values() for v in s.values()}),
+            "units": hook.units,
+            "sampler": type(strategy.ctx.train_loader.sampler).__name__,
+            "rank": strategy.ctx.rank,
+            "world_size": strategy.ctx.world_size,
+            "step_count": result.step_count,
+            "global_step_count": result.global_step_count,
+            "reduce_scatters": counter.per_micro_batch,
+        }
+    counter.close()
+    save(out, f"rank{manager.rank}.pt", payload)
+    if manager.rank == 0:
+        save(out, "reference.pt", reference(x, y, steps=4, world_size=manager.world_size))
+    finish(manager)
+
+
+def accumulation(out: Path) -> None:
+    """The hook initialises the group itself; K=2 over 8 micro-batches: reduce-scatters only on the 2nd."""
+    x, y = make_data(64)
+    counter = CountReduceScatters()
+    strategy = strategy_for(None, [GradientAccumulationHook(steps=2), FSDPHook(), counter])
+    with strategy:
+        result = strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
+        rank, world_size = strategy.ctx.rank, strategy.ctx.world_size
+        payload = {
+            "params": gathered(strategy.ctx.models["main"]),
+            "rank": rank,
+            "world_size": world_size,
+            "step_count": result.step_count,
+            "batch_count": result.batch_count,
+            "reduce_scatters": counter.per_micro_batch,
+            "initialised_during_run": dist.is_initialized(),
+        }
+        if dist.is_initialized():
+            dist.barrier()  # the hook destroys the group on close: nobody may still be inside gloo
+    counter.close()
+    payload["process_group_alive"] = dist.is_initialized()
+    save(out, f"rank{rank}.pt", payload)
+    if rank == 0:
+        save(out, "reference.pt", reference(x, y, steps=4, world_size=world_size, accumulation=2))
+
+
+def clipping(out: Path) -> None:
+    """GradientClippingHook over DTensor gradients clips by the global norm (the unsharded model's)."""
+    manager = nvtrain.DistributedManager.initialize(device="cpu")
+    x, y = make_data(32)
+    record = RecordNorms()
+    strategy = strategy_for(manager, [FSDPHook(), GradientClippingHook(max_norm=0.05), record])
+    with strategy:
+        strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
+        payload = {
+            "params": gathered(strategy.ctx.models["main"]),
+            "norms": [n.detach().clone() for n in record.norms],
+            "norm_types": sorted({type(n).__name__ for n in record.norms}),
+        }
+    save(out, f"rank{manager.rank}.pt", payload)
+    if manager.rank == 0:
+        save(out, "reference.pt", reference(x, y, steps=4, world_size=manager.world_size, max_norm=0.05))
+    finish(manager)
+
+
+def spike_skip(out: Path) -> None:
+    """A loss spike in rank 1's shard only: both ranks skip that step (loss and the global grad norm)."""
+    manager = nvtrain.DistributedManager.initialize(device="cpu")
+    x, y = make_data(48)
+    spike_step = 4
+    rank1_batch = torch.arange(1, 48, 2)[spike_step * LOCAL_BATCH : (spike_step + 1) * LOCAL_BATCH]
+    y[rank1_batch] *= 1000.0
+    spike = SpikeSkipHook(monitor=("loss", "grad_norm"), warmup_steps=3, threshold_sigmas=6.0)
+    strategy = strategy_for(manager, [FSDPHook(), GradientClippingHook(max_norm=1e6), spike])
+    with strategy:
+        result = strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
+        payload = {
+            "params": gathered(strategy.ctx.models["main"]),
+            "skipped_steps": spike.skipped_steps,
+            "step_count": result.step_count,
+            "batch_count": result.batch_count,
+        }
+    save(out, f"rank{manager.rank}.pt", payload)
+    if manager.rank == 0:
+        ref = reference(x, y, steps=6, world_size=manager.world_size, skip=(spike_step,), max_norm=1e6)
+        save(out, "reference.pt", ref)
+    finish(manager)
+
+
+def ema(out: Path) -> None:
+    """EMA of a sharded model: sharded average, no collective per update, gathered and validated."""
+    manager = nvtrain.DistributedManager.initialize(device="cpu")
+    x, y = make_data(32)
+    averaging = CommCountingEMA(decay=0.5)
+    strategy = strategy_for(
+        manager, [FSDPHook(), averaging], validation=nvtrain.ValidationConfig(use_ema=True)
+    )
+    with strategy:
+        strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
+        averaged = averaging.get_averaged_model()
+        before = gathered(strategy.ctx.models["main"])
+        summary = strategy.validate(DataLoader(TensorDataset(x[:8], y[:8]), batch_size=8))
+        payload = {
+            "kind": type(averaged).__name__,
+            "shard_types": sorted({type(t).__name__ for t in averaged.averaged_parameters})
+            if isinstance(averaged, ShardedAverage)
+            else [],
+            "comms_per_update": averaging.comms,
+            "num_updates": averaging.num_updates,
+            "weights": averaging.averaged_weights(),
+            "validation_loss": summary["loss"],
+            "model_untouched_by_validation": all(
+                torch.equal(a, b) for a, b in zip(before, gathered(strategy.ctx.models["main"]), strict=True)
+            ),
+        }
+    save(out, f"rank{manager.rank}.pt", payload)
+    if manager.rank == 0:
+        ref = reference(x, y, steps=4, world_size=manager.world_size, ema_decay=0.5)
+        plain = make_model()
+        with torch.no_grad():
+            for param, value in zip(plain.parameters(), ref["ema"], strict=True):
+                param.copy_(value)
+            ref["validation_loss"] = torch.nn.functional.mse_loss(plain(x[:8]), y[:8])
+        save(out, "reference.pt", ref)
+    finish(manager)
+
+
+class RecordOutputs:
+    def __init__(self) -> None:
+        self.dtypes: set[torch.dtype] = set()
+
+    @nvtrain.hookimpl
+    def after_forward(self, ctx: nvtrain.TrainingContext) -> None:
+        self.dtypes.add(ctx.outputs.dtype)
+
+
+def bf16(out: Path) -> None:
+    """FSDP's MixedPrecisionPolicy: bf16 compute, fp32 shards and gradients, fp32 outputs for the loss."""
+    manager = nvtrain.DistributedManager.initialize(device="cpu")
+    x, y = make_data(32)
+    outputs = RecordOutputs()
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    strategy = strategy_for(manager, [FSDPHook(param_dtype="bf16", reduce_dtype="fp32"), outputs], optimizers=sgd)
+    with strategy:
+        strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
+        params = list(strategy.ctx.models["main"].parameters())
+        payload = {
+            "params": gathered(strategy.ctx.models["main"]),
+            "output_dtypes": sorted(str(d) for d in outputs.dtypes),
+            "param_dtypes": sorted({str(p.dtype) for p in params}),
+            "grad_dtypes": sorted({str(p.grad.dtype) for p in params if p.grad is not None}),
+        }
+    save(out, f"rank{manager.rank}.pt", payload)
+    if manager.rank == 0:
+        save(out, "reference.pt", reference(x, y, steps=4, world_size=manager.world_size, optimizer=sgd))
+    finish(manager)
+
+
+SCENARIOS = {f.__name__: f for f in (equivalence, accumulation, clipping, spike_skip, ema, bf16)}
+
+
+def main(out_dir: Path, scenarios: list[str]) -> None:
+    ports = [p for p in os.environ.get("NVTRAIN_TEST_PORTS", "").split(",") if p]
+    torch.set_num_threads(1)
+    for index, name in enumerate(scenarios):
+        if ports:
+            os.environ["MASTER_PORT"] = ports[index]
+        out = out_dir / name
+        out.mkdir(parents=True, exist_ok=True)
+        SCENARIOS[name](out)
+        if dist.is_initialized():
+            raise RuntimeError(f"scenario {name!r} left a process group behind")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])

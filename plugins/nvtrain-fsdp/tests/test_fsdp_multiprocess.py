@@ -1,0 +1,229 @@
+"""Real 2-process FSDP jobs (gloo on the CPU): ``fsdp_worker.py`` on two ranks, and ``nvtrain train``
+under torchrun with ``hooks: [{name: fsdp}]``.
+
+The workers write their results to files; the assertions run here. Ranks are started as
+subprocesses with the variables torchrun sets (never forked); one launch runs the SUITE
+scenarios in turn, since starting processes dominates the time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+TIMEOUT_S = 180
+#: Same global batches, different summation order (reduce-scatter of shard gradients vs one batch).
+RTOL, ATOL = 1e-5, 1e-6
+#: FSDP units with parameters in the worker's model (two Linear layers; the root has none of its own).
+UNITS = 2
+
+pytestmark = pytest.mark.slow
+
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("NVTRAIN_")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU on GPU machines too
+    return env
+
+
+def _wait(procs: list[subprocess.Popen[str]]) -> list[str]:
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=TIMEOUT_S)
+            outputs.append(out)
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"distributed workers did not finish within {TIMEOUT_S} s")
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, f"worker exited with {proc.returncode}:\n{out[-6000:]}"
+    return outputs
+
+
+def launch(worker: Path, out: Path, *scenarios: str, nprocs: int = 2) -> None:
+    """Start ``nprocs`` ranks of ``worker`` on the CPU, with the environment torchrun would give them."""
+    env = _base_env() | {
+        "MASTER_ADDR": "127.0.0.1",
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "NVTRAIN_TEST_PORTS": ",".join(str(_free_port()) for _ in scenarios),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(out), *scenarios],
+            env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(nprocs)
+    ]
+    _wait(procs)
+
+
+def load(out: Path, name: str) -> dict[str, Any]:
+    return torch.load(out / name, weights_only=True)  # type: ignore[no-any-return]
+
+
+def assert_same_across_ranks(first: list[torch.Tensor], second: list[torch.Tensor]) -> None:
+    assert len(first) == len(second)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b), "the ranks gathered different parameters"
+
+
+def assert_close_to(params: list[torch.Tensor], reference: list[torch.Tensor], **tolerance: float) -> None:
+    assert len(params) == len(reference)
+    for got, want in zip(params, reference, strict=True):
+        torch.testing.assert_close(got, want, **({"rtol": RTOL, "atol": ATOL} | tolerance))
+
+
+SUITE = ("equivalence", "accumulation", "clipping", "spike_skip", "ema", "bf16")
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp-suite")
+    launch(WORKER, out, *SUITE)
+    return out
+
+
+def ranks(out: Path) -> list[dict[str, Any]]:
+    return [load(out, f"rank{r}.pt") for r in (0, 1)]
+
+
+def test_two_sharded_ranks_match_one_process_on_the_global_batches(suite: Path) -> None:
+    out = suite / "equivalence"
+    results = ranks(out)
+    assert_same_across_ranks(results[0]["params"], results[1]["params"])
+    assert_close_to(results[0]["params"], load(out, "reference.pt")["params"])
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank and result["world_size"] == 2
+        assert result["sharded"] and result["param_types"] == ["DTensor"]
+        # each rank holds half of every parameter's rows: Linear(4, 16) and Linear(16, 3) (rows 2 and 1)
+        assert result["local_rows"] == ([8, 8, 2, 2] if rank == 0 else [8, 8, 1, 1])
+        assert result["optimizer_holds_the_shards"]
+        assert result["optimizer_state_types"] == ["DTensor", "Tensor"]  # exp_avg(_sq) sharded, step a scalar
+        assert result["units"] == {"main": ["2", "0", ""]}
+        assert result["sampler"] == "DistributedSampler"
+        assert result["step_count"] == 4 and result["global_step_count"] == 8
+        # without accumulation every micro-batch reduce-scatters each unit's gradients once
+        assert result["reduce_scatters"] == [UNITS] * 4
+
+
+def test_accumulation_reduce_scatters_once_per_optimizer_step(suite: Path) -> None:
+    out = suite / "accumulation"
+    results = ranks(out)
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank and result["world_size"] == 2
+        assert result["batch_count"] == 8 and result["step_count"] == 4
+        # none on the accumulating micro-batch, one per unit on the one that ends the window
+        assert result["reduce_scatters"] == [0, UNITS] * 4
+        # FSDPHook initialised the group from the environment, and destroyed it on close
+        assert result["initialised_during_run"] and not result["process_group_alive"]
+    assert_same_across_ranks(results[0]["params"], results[1]["params"])
+    assert_close_to(results[0]["params"], load(out, "reference.pt")["params"])
+
+
+def test_clipping_uses_the_global_norm_over_all_shards(suite: Path) -> None:
+    out = suite / "clipping"
+    results = ranks(out)
+    reference = load(out, "reference.pt")
+    for result in results:
+        assert result["norm_types"] == ["Tensor"]  # a plain tensor, the same on every rank
+        assert len(result["norms"]) == 4
+        for got, want in zip(result["norms"], reference["norms"], strict=True):
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=0.0)
+        assert min(float(n) for n in result["norms"]) > 0.05  # every step was clipped
+    assert_same_across_ranks(results[0]["params"], results[1]["params"])
+    assert_close_to(results[0]["params"], reference["params"])
+
+
+def test_spike_skip_makes_every_rank_skip_the_same_step(suite: Path) -> None:
+    out = suite / "spike_skip"
+    results = ranks(out)
+    for result in results:
+        # the spike is in rank 1's shard only; rank 0 skips too
+        assert result["skipped_steps"] == 1
+        assert result["batch_count"] == 6 and result["step_count"] == 5
+    assert_same_across_ranks(results[0]["params"], results[1]["params"])
+    assert_close_to(results[0]["params"], load(out, "reference.pt")["params"])
+
+
+def test_ema_of_a_sharded_model_stays_sharded_and_gathers_for_validation(suite: Path) -> None:
+    out = suite / "ema"
+    results = ranks(out)
+    reference = load(out, "reference.pt")
+    for result in results:
+        assert result["kind"] == "ShardedAverage" and result["shard_types"] == ["DTensor"]
+        assert result["num_updates"] == 4
+        assert result["comms_per_update"] == [0, 0, 0, 0]  # each rank averages its own shards
+        assert_close_to(list(result["weights"].values()), reference["ema"])
+        torch.testing.assert_close(result["validation_loss"], reference["validation_loss"], rtol=RTOL, atol=ATOL)
+        assert result["model_untouched_by_validation"]
+    assert_same_across_ranks(list(results[0]["weights"].values()), list(results[1]["weights"].values()))
+
+
+def test_bf16_mixed_precision_keeps_fp32_shards_and_outputs(suite: Path) -> None:
+    out = suite / "bf16"
+    results = ranks(out)
+    for result in results:
+        assert result["output_dtypes"] == ["torch.float32"]
+        assert result["param_dtypes"] == ["torch.float32"] and result["grad_dtypes"] == ["torch.float32"]
+    assert_same_across_ranks(results[0]["params"], results[1]["params"])
+    # bf16 compute: close to the fp32 reference, not equal (8 bits of mantissa)
+    assert_close_to(results[0]["params"], load(out, "reference.pt")["params"], rtol=0.0, atol=2e-2)
+    assert any(
+        not torch.equal(a, b) for a, b in zip(results[0]["params"], load(out, "reference.pt")["params"], strict=True)
+    ), "bf16 compute should differ from fp32 somewhere"
+
+
+#: The built-in digits job, small, with FSDP (and EMA: its average of the sharded model validates).
+JOB = """\
+name: digits-fsdp
+device: cpu
+model: {factory: "nvtrain.builtin.digits:make_classifier", kwargs: {hidden: 32, depth: 2, dropout: 0.0}}
+data: {factory: "nvtrain.builtin.digits:make_loaders", kwargs: {batch_size: 32}}
+trainer: {max_steps: 8}
+logging: {progress_bar: false, tensorboard: false, plot: false, log_every_n_steps: 4}
+hooks:
+  - {name: fsdp, shard_classes: [Linear]}
+  - {name: ema, decay: 0.9}
+"""
+
+
+def test_nvtrain_train_under_torchrun_shards_with_hooks_fsdp(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(JOB, encoding="utf-8")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "nvtrain", "train", str(config), "--set", f"output_dir={tmp_path / 'out'}",
+    ]  # fmt: skip
+    process = subprocess.run(command, cwd=tmp_path, env=_base_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert process.returncode == 0, (process.stdout + process.stderr)[-6000:]
+    run = tmp_path / "out" / "digits-fsdp"
+    rows = (run / "metrics.csv").read_text(encoding="utf-8").splitlines()
+    header = rows[0].split(",")
+    steps = [int(row.split(",")[0]) for row in rows[1:] if row.split(",")[header.index("train_loss")]]
+    assert steps == [4, 8]  # rank 0 alone writes the metrics
+    assert "val_ema_loss" in header
