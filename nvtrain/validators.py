@@ -7,12 +7,17 @@ which are about the type only, raise :class:`FieldTypeError` (a ``TypeError``).
 Both are a :class:`FieldProblem` that carries the class, field, value and
 expectation, so a caller (the config loader, ``nvtrain train``) places the error at
 the field without parsing its message. ``bool`` is never taken for a number.
+
+A check of a field's own goes through :func:`satisfies` (``accepts(value)`` and
+what the field takes), or :func:`one_of`, :func:`a_callable` and friends; a
+converter or a check with a message of its own raises :func:`refused`, so its
+error is structured too.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -22,14 +27,19 @@ __all__ = [
     "FieldTypeError",
     "FieldValueError",
     "a_bool",
+    "a_callable",
     "float_in_range",
     "int_at_least",
     "non_empty_str",
     "number_above",
+    "one_of",
     "optional_bool",
     "optional_int_at_least",
     "optional_non_empty_str",
     "optional_number_above",
+    "optional_str_tuple",
+    "refused",
+    "satisfies",
     "strict_bool",
     "strict_int",
 ]
@@ -74,27 +84,45 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _validator(
+def refused(
+    owner: str,
+    field: str,
+    value: Any,
+    expected: str,
+    *,
+    message: str | None = None,
+    error: type[FieldProblem] = FieldValueError,
+) -> FieldProblem:
+    """The error for a value ``owner.field`` refuses, to raise: ``Owner.field must be <expected> (got value)``.
+
+    For checks that are not built here: a converter (it is not told its class or
+    field, so it names them), or a validator whose ``message`` says more than that
+    line (which item of a list is wrong, why a signal cannot be used).
+    """
+    if message is None:
+        message = f"{owner}.{field} must be {expected} (got {value!r})"
+    return error(message, owner=owner, field=field, value=value, expected=expected)
+
+
+def satisfies(
     expected: str,
     accepts: Callable[[Any], bool],
     *,
     or_none: bool = False,
     error: type[FieldProblem] = FieldValueError,
 ) -> Validator:
+    """A validator of one's own: ``accepts(value)``, else ``Owner.field must be <expected> (got value)``.
+
+    ``or_none`` also accepts None (and adds " or None" to ``expected``); ``error`` is
+    :class:`FieldValueError`, or :class:`FieldTypeError` for a check of the kind only.
+    """
     if or_none:
         expected += " or None"
 
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if (value is None and or_none) or accepts(value):
             return
-        owner = type(instance).__name__
-        raise error(
-            f"{owner}.{attribute.name} must be {expected} (got {value!r})",
-            owner=owner,
-            field=attribute.name,
-            value=value,
-            expected=expected,
-        )
+        raise refused(type(instance).__name__, attribute.name, value, expected, error=error)
 
     return check
 
@@ -102,13 +130,13 @@ def _validator(
 def int_at_least(minimum: int | None) -> Validator:
     """An int (not a bool) >= ``minimum``; any int when ``minimum`` is None."""
     if minimum is None:
-        return _validator("an int", _is_int)
-    return _validator(f"an int >= {minimum}", lambda v: _is_int(v) and v >= minimum)
+        return satisfies("an int", _is_int)
+    return satisfies(f"an int >= {minimum}", lambda v: _is_int(v) and v >= minimum)
 
 
 def optional_int_at_least(minimum: int) -> Validator:
     """None, or an int (not a bool) >= ``minimum``."""
-    return _validator(f"an int >= {minimum}", lambda v: _is_int(v) and v >= minimum, or_none=True)
+    return satisfies(f"an int >= {minimum}", lambda v: _is_int(v) and v >= minimum, or_none=True)
 
 
 def number_above(bound: float, *, finite: bool = False, example: str | None = None) -> Validator:
@@ -119,12 +147,12 @@ def number_above(bound: float, *, finite: bool = False, example: str | None = No
     expected = f"a {'finite ' if finite else ''}number > {bound}"
     if example:
         expected += f", e.g. {example}"
-    return _validator(expected, lambda v: _is_number(v) and v > bound and not (finite and math.isinf(v)))
+    return satisfies(expected, lambda v: _is_number(v) and v > bound and not (finite and math.isinf(v)))
 
 
 def optional_number_above(bound: float) -> Validator:
     """None, or an int or float > ``bound`` (never NaN)."""
-    return _validator(f"a number > {bound}", lambda v: _is_number(v) and v > bound, or_none=True)
+    return satisfies(f"a number > {bound}", lambda v: _is_number(v) and v > bound, or_none=True)
 
 
 def float_in_range(low: float, high: float, *, include_low: bool = False, include_high: bool = False) -> Validator:
@@ -136,26 +164,64 @@ def float_in_range(low: float, high: float, *, include_low: bool = False, includ
             return False
         return (low <= v if include_low else low < v) and (v <= high if include_high else v < high)
 
-    return _validator(f"in {interval}", accepts)
+    return satisfies(f"in {interval}", accepts)
 
 
 def non_empty_str(what: str = "string") -> Validator:
     """A non-empty str; the message calls it "a non-empty ``what``" (``model name``, ``backend name``)."""
-    return _validator(f"a non-empty {what}", lambda v: isinstance(v, str) and bool(v))
+    return satisfies(f"a non-empty {what}", lambda v: isinstance(v, str) and bool(v))
 
 
 def optional_non_empty_str(what: str = "string") -> Validator:
     """None, or a non-empty str."""
-    return _validator(f"a non-empty {what}", lambda v: isinstance(v, str) and bool(v), or_none=True)
+    return satisfies(f"a non-empty {what}", lambda v: isinstance(v, str) and bool(v), or_none=True)
+
+
+def one_of(choices: Sequence[Any], expected: str | None = None) -> Validator:
+    """One of ``choices``, of the same kind too (``1`` is not ``True``); ``expected`` words the choices.
+
+    By default the message lists them: ``must be 'step' or 'epoch'``.
+    """
+    options = tuple(choices)
+    if expected is None:
+        shown = [repr(choice) for choice in options]
+        expected = shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
+    return satisfies(expected, lambda v: any(_same_kind(v, c) and v == c for c in options))
+
+
+def _same_kind(value: Any, choice: Any) -> bool:
+    return isinstance(value, type(choice)) and isinstance(value, bool) == isinstance(choice, bool)
+
+
+def a_callable(expected: str = "callable") -> Validator:
+    """Anything callable; raises :class:`FieldTypeError`. ``expected`` may say how it is called.
+
+    ``a_callable("callable as factory(optimizer)")``: ``must be callable as factory(optimizer) (got 3)``.
+    """
+    return satisfies(expected, callable, error=FieldTypeError)
+
+
+def optional_str_tuple(what: str = "names") -> Validator:
+    """None, or a non-empty tuple of non-empty str (after a converter made it a tuple).
+
+    The message says "must be None or a non-empty tuple of ``what``" (``model names``).
+    """
+
+    def accepts(value: Any) -> bool:
+        if value is None:
+            return True
+        return isinstance(value, tuple) and bool(value) and all(isinstance(item, str) and item for item in value)
+
+    return satisfies(f"None or a non-empty tuple of {what}", accepts)
 
 
 #: A bool; raises :class:`FieldTypeError` ("must be a bool").
-a_bool: Validator = _validator("a bool", lambda v: isinstance(v, bool), error=FieldTypeError)
+a_bool: Validator = satisfies("a bool", lambda v: isinstance(v, bool), error=FieldTypeError)
 #: None or a bool; raises :class:`FieldTypeError` ("must be a bool or None").
-optional_bool: Validator = _validator("a bool", lambda v: isinstance(v, bool), or_none=True, error=FieldTypeError)
+optional_bool: Validator = satisfies("a bool", lambda v: isinstance(v, bool), or_none=True, error=FieldTypeError)
 
 #: True or False, nothing else (not 0 or 1); raises :class:`FieldTypeError`.
-strict_bool: Validator = _validator("True or False", lambda v: isinstance(v, bool), error=FieldTypeError)
+strict_bool: Validator = satisfies("True or False", lambda v: isinstance(v, bool), error=FieldTypeError)
 
 #: Any int (not a bool); raises :class:`FieldTypeError`.
-strict_int: Validator = _validator("an int", _is_int, error=FieldTypeError)
+strict_int: Validator = satisfies("an int", _is_int, error=FieldTypeError)

@@ -13,11 +13,16 @@ from nvtrain.validators import (
     FieldProblem,
     FieldTypeError,
     FieldValueError,
+    a_callable,
     float_in_range,
     int_at_least,
     number_above,
+    one_of,
     optional_int_at_least,
     optional_number_above,
+    optional_str_tuple,
+    refused,
+    satisfies,
     strict_bool,
     strict_int,
 )
@@ -53,6 +58,20 @@ def settings(validator: Any) -> type:
         (float_in_range(0, 1, include_high=True), [1, 0.3], [0, 1.1], ValueError, "in (0, 1]"),
         (strict_bool, [True, False], [1, 0, None, "yes"], TypeError, "True or False"),
         (strict_int, [0, -5], [1.0, True, "3"], TypeError, "an int"),
+        (one_of(("step", "epoch")), ["step", "epoch"], ["Step", 1, None], ValueError, "'step' or 'epoch'"),
+        (one_of((True, False, "auto")), [True, "auto"], [1, 0, "yes"], ValueError, "True, False or 'auto'"),
+        (one_of(("min",), "'min' (lower is better)"), ["min"], ["max"], ValueError, "'min' (lower is better)"),
+        (a_callable("callable as f(x)"), [print, int], [3, None], TypeError, "callable as f(x)"),
+        (
+            optional_str_tuple("model names"),
+            [None, ("a",), ("a", "b")],
+            [(), ("",), ("a", 3), ["a"], "a"],
+            ValueError,
+            "None or a non-empty tuple of model names",
+        ),
+        (satisfies("even", lambda v: v % 2 == 0), [2], [3], ValueError, "even"),
+        (satisfies("even", lambda v: v % 2 == 0, or_none=True), [None, 4], [5], ValueError, "even or None"),
+        (satisfies("a str", lambda v: isinstance(v, str), error=FieldTypeError), ["x"], [1], TypeError, "a str"),
     ],
 )
 def test_accepts_the_good_and_names_the_bad(
@@ -103,3 +122,13 @@ def test_the_error_carries_class_field_value_and_expectation() -> None:
     type_err = caught_type.value
     assert isinstance(type_err, FieldProblem) and not isinstance(type_err, ValueError)
     assert (type_err.field, type_err.value, type_err.expected) == ("value", 1.0, "an int")
+
+
+def test_refused_is_the_error_a_converter_or_a_check_of_its_own_raises() -> None:
+    err = refused("CheckpointHook", "resume", 3, "'never', 'auto' or a checkpoint path")
+    assert isinstance(err, FieldValueError)
+    assert str(err) == "CheckpointHook.resume must be 'never', 'auto' or a checkpoint path (got 3)"
+    assert (err.owner, err.field, err.value, err.expected) == ("CheckpointHook", "resume", 3, err.expected)
+    worded = refused("Hook", "stages", [], "batch stages", message="Hook.stages is empty", error=FieldTypeError)
+    assert isinstance(worded, FieldTypeError) and str(worded) == "Hook.stages is empty"
+    assert (worded.field, worded.value, worded.expected) == ("stages", [], "batch stages")

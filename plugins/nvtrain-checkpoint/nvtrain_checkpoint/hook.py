@@ -17,7 +17,7 @@ import torch
 import nvtrain
 from nvtrain.hook import DEFAULT_PRIORITY
 from nvtrain.state import capture_rng_state, capture_state, load_state, strategy_hooks
-from nvtrain.validators import optional_int_at_least, strict_bool, strict_int
+from nvtrain.validators import FieldTypeError, optional_int_at_least, refused, strict_bool, strict_int
 from nvtrain_checkpoint import storage
 from nvtrain_checkpoint.snapshot import snapshot
 from nvtrain_checkpoint.writer import BackgroundWriter
@@ -33,7 +33,7 @@ AUTO = "auto"
 def _as_dir(value: Any) -> Path:
     if isinstance(value, (str, os.PathLike)) and str(value):
         return Path(value)
-    raise TypeError(f"CheckpointHook.checkpoint_dir must be a non-empty path (got {value!r})")
+    raise refused("CheckpointHook", "checkpoint_dir", value, "a non-empty path", error=FieldTypeError)
 
 
 def _as_resume(value: Any) -> str | Path:
@@ -41,7 +41,7 @@ def _as_resume(value: Any) -> str | Path:
         return str(value)
     if isinstance(value, os.PathLike) or (isinstance(value, str) and value):
         return Path(value)
-    raise ValueError(f"CheckpointHook.resume must be 'never', 'auto' or a checkpoint path (got {value!r})")
+    raise refused("CheckpointHook", "resume", value, "'never', 'auto' or a checkpoint path")
 
 
 @attrs.define(eq=False)
