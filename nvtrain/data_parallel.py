@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from nvtrain.distributed import TorchrunEnv, default_backend
+from nvtrain.validators import FieldTypeError, refused
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -121,18 +122,21 @@ def refuse_other_data_parallel(ctx: TrainingContext, owner: object) -> None:
 def as_sampler_factory(owner: str, value: Any) -> Callable[..., Any]:
     """``<owner>.sampler_cls`` converted: a callable, or a dotted path to one (``"pkg.module.Name"`` or
     ``"pkg.module:Name"``, for configs)."""
+    given, expected = value, "a sampler class or factory, or a dotted path to one"
     if isinstance(value, str):
         module_name, sep, attr = value.rpartition(":") if ":" in value else value.rpartition(".")
         if not sep or not module_name or not attr:
-            raise ValueError(
-                f"{owner}.sampler_cls: {value!r} is not a dotted path such as 'torch.utils.data.DistributedSampler'"
-            )
+            example = "'torch.utils.data.DistributedSampler'"
+            message = f"{owner}.sampler_cls: {value!r} is not a dotted path such as {example}"
+            raise refused(owner, "sampler_cls", given, expected, message=message)
         try:
             value = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as err:
-            raise ValueError(f"{owner}.sampler_cls: cannot import {value!r} ({err})") from err
+            message = f"{owner}.sampler_cls: cannot import {value!r} ({err})"
+            raise refused(owner, "sampler_cls", given, expected, message=message) from err
     if not callable(value):
-        raise TypeError(f"{owner}.sampler_cls must be a sampler class or factory (got {value!r})")
+        message = f"{owner}.sampler_cls must be a sampler class or factory (got {value!r})"
+        raise refused(owner, "sampler_cls", given, expected, message=message, error=FieldTypeError)
     return value  # type: ignore[no-any-return]
 
 
@@ -140,13 +144,17 @@ def as_sampler_kwargs(owner: str, value: Any) -> dict[str, Any]:
     """``<owner>.sampler_kwargs`` converted: keyword names to values, without ``dataset``."""
     if value is None:
         return {}
+    expected = "a mapping of keyword -> value, without 'dataset'"
     if not isinstance(value, Mapping):
-        raise TypeError(f"{owner}.sampler_kwargs must be a mapping of keyword -> value (got {value!r})")
+        message = f"{owner}.sampler_kwargs must be a mapping of keyword -> value (got {value!r})"
+        raise refused(owner, "sampler_kwargs", value, expected, message=message, error=FieldTypeError)
     for key in value:
         if not isinstance(key, str) or not key.isidentifier():
-            raise ValueError(f"{owner}.sampler_kwargs keys must be keyword names (got {key!r})")
+            message = f"{owner}.sampler_kwargs keys must be keyword names (got {key!r})"
+            raise refused(owner, "sampler_kwargs", value, expected, message=message)
     if "dataset" in value:
-        raise ValueError(f"{owner}.sampler_kwargs must not hold 'dataset': the loader's dataset is passed first")
+        message = f"{owner}.sampler_kwargs must not hold 'dataset': the loader's dataset is passed first"
+        raise refused(owner, "sampler_kwargs", value, expected, message=message)
     return dict(value)
 
 

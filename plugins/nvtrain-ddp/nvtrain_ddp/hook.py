@@ -24,7 +24,7 @@ from nvtrain.data_parallel import (
     set_sampler_epoch,
 )
 from nvtrain.distributed import TorchrunEnv
-from nvtrain.validators import a_bool, optional_bool, optional_non_empty_str
+from nvtrain.validators import FieldTypeError, a_bool, optional_bool, optional_non_empty_str, refused
 
 __all__ = ["DDPHook"]
 
@@ -46,13 +46,17 @@ def _as_model_keys(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
     keys = (value,) if isinstance(value, str) else value
+    expected = "a str, a sequence of distinct non-empty str, or None"
     if not isinstance(keys, Iterable) or isinstance(keys, Mapping):
-        raise TypeError(f"DDPHook.model_keys must be a str, a sequence of str or None (got {value!r})")
+        message = f"DDPHook.model_keys must be a str, a sequence of str or None (got {value!r})"
+        raise refused("DDPHook", "model_keys", value, expected, message=message, error=FieldTypeError)
     keys = tuple(keys)
     if not keys or not all(isinstance(key, str) and key for key in keys):
-        raise ValueError(f"DDPHook.model_keys must name at least one model by a non-empty str (got {value!r})")
+        message = f"DDPHook.model_keys must name at least one model by a non-empty str (got {value!r})"
+        raise refused("DDPHook", "model_keys", value, expected, message=message)
     if len(set(keys)) != len(keys):
-        raise ValueError(f"DDPHook.model_keys names a model twice (got {value!r})")
+        message = f"DDPHook.model_keys names a model twice (got {value!r})"
+        raise refused("DDPHook", "model_keys", value, expected, message=message)
     return keys
 
 
