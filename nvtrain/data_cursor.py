@@ -11,6 +11,12 @@ unconsumed index batches, so neither the main process nor the workers touch
 the skipped part. Any other iterable is fast-forwarded as before, with one log
 line saying so.
 
+torchdata's ``StatefulDataLoader`` keeps its own position: the step scheduler
+saves its ``state_dict()`` and restores it with ``load_state_dict()`` instead of
+opening a cursor (:func:`is_stateful_dataloader` recognises one without
+importing torchdata, which stays optional). The cursor replays such a loader
+only when the checkpoint holds no state of it.
+
 The caller sets the random state the epoch started from before :meth:`DataCursor.open`
 and puts the current one back afterwards (``StepScheduler`` does both); the
 cursor makes exactly the draws a fresh ``iter(loader)`` followed by a full pass
@@ -30,11 +36,15 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-__all__ = ["DataCursor"]
+__all__ = ["DataCursor", "is_stateful_dataloader"]
 
 logger = logging.getLogger(__name__)
 
 _NO_ITEM: Any = object()
+
+#: torchdata's loader that saves and restores its own position: (module prefix, class name). Recognised by
+#: name, so nvtrain never imports torchdata (an optional dependency).
+_STATEFUL_LOADER = ("torchdata.stateful_dataloader", "StatefulDataLoader")
 
 #: Samplers whose iteration only yields indices: drawing an epoch's order from them reads no data.
 _STANDARD_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
@@ -138,14 +148,20 @@ class DataCursor:
 
     def _replay(self, position: int, epoch: int) -> Iterator[Any]:
         if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+            advice = (
+                "A checkpoint nvtrain writes at a step boundary holds the loader's state"
+                if is_stateful_dataloader(self.loader)
+                else "To resume without reading them, use a torch DataLoader over a map-style dataset with a "
+                "standard sampler (SequentialSampler, RandomSampler, DistributedSampler, optionally under a "
+                "BatchSampler) and persistent_workers=False, or torchdata's StatefulDataLoader"
+            )
             logger.warning(
                 "resuming epoch %d: replaying %d micro-batch(es) to reach the saved position, because %s; every "
-                "skipped sample is read again. To resume without reading them, use a torch DataLoader over a "
-                "map-style dataset with a standard sampler (SequentialSampler, RandomSampler, DistributedSampler, "
-                "optionally under a BatchSampler) and persistent_workers=False",
+                "skipped sample is read again. %s",
                 epoch + 1,
                 position,
                 self.reason,
+                advice,
             )
         iterator = iter(self.loader)
         for skipped in range(position):
@@ -188,8 +204,28 @@ def _shadow_index_sampler(loader: DataLoader[Any]) -> tuple[Any, torch.Generator
     return shadow_batches, replica, real
 
 
+def is_stateful_dataloader(loader: Any) -> bool:
+    """Whether ``loader`` is a torchdata ``StatefulDataLoader`` (or a subclass) that can save its position.
+
+    Decided from the class hierarchy's names, without importing torchdata: True when a
+    class named ``StatefulDataLoader`` from the ``torchdata.stateful_dataloader`` package is
+    among the loader's bases and the loader has callable ``state_dict`` and ``load_state_dict``.
+    """
+    module_prefix, name = _STATEFUL_LOADER
+    for cls in type(loader).__mro__:
+        module = getattr(cls, "__module__", "") or ""
+        if cls.__name__ == name and (module == module_prefix or module.startswith(module_prefix + ".")):
+            return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    return False
+
+
 def _replay_reason(loader: Any) -> str | None:
     """Why ``loader`` cannot be opened at a position without reading the skipped part (None: it can)."""
+    if is_stateful_dataloader(loader):
+        return (
+            f"the loader is a {type(loader).__qualname__} and the checkpoint holds no state of it for this position "
+            "(written by an nvtrain without StatefulDataLoader support, or in the middle of a step)"
+        )
     if type(loader) is not DataLoader:
         return f"the loader is a {type(loader).__qualname__}, not a torch.utils.data.DataLoader"
     if isinstance(loader.dataset, IterableDataset):

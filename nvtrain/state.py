@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any, final
 
 import torch
 
+from nvtrain.data_cursor import is_stateful_dataloader
 from nvtrain.distributed import unwrap_model
 from nvtrain.errors import ResumeError
 from nvtrain.hook import CheckpointableHook, hook_label
 from nvtrain.hookspecs import PROJECT_NAME, hookimpl
 from nvtrain.stages import TrainingStage
+from nvtrain.step_scheduler import stateful_loader_state
 
 if TYPE_CHECKING:
     from nvtrain.strategy import TrainingStrategy
@@ -155,8 +157,15 @@ def _loader_generators(loader: Any) -> dict[str, torch.Generator]:
     return found
 
 
-def capture_rng_state(loader: Any = None) -> dict[str, Any]:
-    """Python, NumPy (when installed), torch CPU, every CUDA device and the loader's generators."""
+def capture_rng_state(loader: Any = None, *, loader_state: bool = True) -> dict[str, Any]:
+    """Python, NumPy (when installed), torch CPU, every CUDA device and the loader's generators.
+
+    For a torchdata StatefulDataLoader, also the loader's own state at the data position of
+    the step scheduler reading it (``"loader"``, as ``StepScheduler.state_dict()["loader"]``;
+    None when no scheduler reads it or at an epoch's start), unless ``loader_state=False``:
+    with the RNG states, what each rank contributes to a checkpoint that rank 0 writes for
+    all of them (``rng_by_rank``).
+    """
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     numpy = _numpy()
     if numpy is not None:
@@ -171,6 +180,8 @@ def capture_rng_state(loader: Any = None) -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     state["generators"] = {path: gen.get_state() for path, gen in _loader_generators(loader).items()}
+    if loader_state and loader is not None and is_stateful_dataloader(loader):
+        state["loader"] = stateful_loader_state(loader)
     return state
 
 
@@ -189,8 +200,9 @@ def capture_state(strategy: TrainingStrategy) -> dict[str, Any]:
         "scheduler": scheduler_state,
         "hooks": {key: hook.state_dict() for key, hook in checkpointable_hooks(strategy_hooks(strategy)).items()},
         "hook_keys": HOOK_KEYS,
-        # Last, so nothing captured above can have drawn from the generators afterwards.
-        "rng": capture_rng_state(ctx.train_loader),
+        # Last, so nothing captured above can have drawn from the generators afterwards. The loader's
+        # own state is in "scheduler" already (rng_by_rank, when there is one, holds every rank's).
+        "rng": capture_rng_state(ctx.train_loader, loader_state=False),
     }
 
 
@@ -363,6 +375,10 @@ def apply_scheduler_state(strategy: TrainingStrategy, state: Mapping[str, Any]) 
     load = getattr(live, "load_state_dict", None)
     if not callable(load):
         raise TypeError(f"the step scheduler {type(live).__qualname__} has no load_state_dict(); cannot resume")
+    rank_rng = _rank_rng(strategy, state)
+    if isinstance(rank_rng, Mapping) and "loader" in rank_rng and isinstance(saved, Mapping):
+        # rank 0 wrote the checkpoint for every rank: each rank's StatefulDataLoader state is its own
+        saved = {**saved, "loader": rank_rng["loader"]}
     load(saved)
 
 

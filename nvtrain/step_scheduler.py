@@ -25,11 +25,14 @@ cadence of ``every`` fires when ``scheduler.step % every == 0``, i.e. on the
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import math
 import signal
 import warnings
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -37,20 +40,39 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from nvtrain.data_cursor import DataCursor
+from nvtrain.data_cursor import DataCursor, is_stateful_dataloader
 from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
 from nvtrain.validators import int_at_least, optional_int_at_least
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["StepScheduler", "StepSchedulerConfig"]
+__all__ = ["StepScheduler", "StepSchedulerConfig", "stateful_loader_state"]
 
 logger = logging.getLogger(__name__)
 
 _STATE_KEYS = ("step", "epoch", "position", "config")
 _CONFIG_KEYS = ("global_batch_size", "local_batch_size", "dp_size", "grad_acc_steps", "loader_len")
 _NO_ITEM: Any = object()
+
+#: The scheduler reading each StatefulDataLoader (both held weakly), so that what a rank contributes
+#: to a checkpoint (``nvtrain.state.capture_rng_state``) can hold the loader's state at the data position.
+_READERS: weakref.WeakKeyDictionary[Any, weakref.ReferenceType[StepScheduler]] = weakref.WeakKeyDictionary()
+
+
+def stateful_loader_state(loader: Any) -> dict[str, Any] | None:
+    """The saved form of ``loader``'s own state at the data position of the scheduler reading it.
+
+    ``{"num_workers": ..., "state": loader.state_dict()}`` for a torchdata StatefulDataLoader
+    that a :class:`StepScheduler` reads, taken after the last consumed micro-batch (as
+    ``StepScheduler.state_dict()["loader"]``); None at an epoch's start, for any other loader,
+    or when the state at that position is not known (see :meth:`StepScheduler.state_dict`).
+    """
+    reference = _READERS.get(loader)
+    scheduler = reference() if reference is not None else None
+    if scheduler is None or scheduler.dataloader is not loader:
+        return None
+    return scheduler._loader_entry(scheduler._saved_position()[1])
 
 
 def _check_int(owner: str, name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
@@ -239,6 +261,13 @@ class StepScheduler:
         self._pulled = 0  # micro-batches taken from the live iterator, the pending one excluded
         self._epoch_items: int | None = None
         self._replay: tuple[list[Any], bool] | None = None  # a window left open by a ``break``
+        #: A torchdata StatefulDataLoader: its own state_dict() is saved and restored (see state_dict()).
+        self._stateful_loader = dataloader is not None and is_stateful_dataloader(dataloader)
+        self._loader_state: dict[str, Any] | None = None  # a loaded loader state for the resumed epoch
+        self._state_before_lookahead: tuple[int, dict[str, Any]] | None = None  # (pulled, loader state)
+        if self._stateful_loader:
+            with contextlib.suppress(TypeError):  # an unhashable loader: its state is not gathered per rank
+                _READERS[dataloader] = weakref.ref(self)
         #: True when every window will be closed by finish_step() (TrainingStrategy sets it); False:
         #: a loop that never calls it, as in the seed, has each window closed by the next request.
         self.finish_step_required = False
@@ -489,10 +518,12 @@ class StepScheduler:
         self._position = 0
         self._epoch_done = False
         self._epoch_rng = None
+        self._loader_state = None
         self._drop_iterator()
 
     def _drop_iterator(self) -> None:
         self._iterator, self._pending, self._pulled, self._epoch_items = None, _NO_ITEM, 0, None
+        self._state_before_lookahead = None
 
     def _open_iterator(self) -> Iterator[Any]:
         loader = self.dataloader
@@ -501,6 +532,8 @@ class StepScheduler:
         if position == 0:
             self._epoch_rng = _capture_rng(generators)
             iterator = iter(loader)
+        elif self._loader_state is not None:  # a StatefulDataLoader continues from its own saved state
+            iterator = self._resume_stateful_loader(self._loader_state, generators)
         else:
             now = _capture_rng(generators)
             if self._epoch_rng is None:
@@ -518,6 +551,29 @@ class StepScheduler:
                 _restore_rng(now, generators)
         self._iterator, self._pending, self._pulled = iterator, _NO_ITEM, position
         self._epoch_items = None if self.synchronized_stream else _loader_len(loader)
+        return iterator
+
+    def _resume_stateful_loader(self, saved: dict[str, Any], generators: Sequence[torch.Generator]) -> Iterator[Any]:
+        """``loader.load_state_dict(saved)``, then its iterator; the random state is left as it was.
+
+        The new iterator's draws (its base seed, the sampler's first permutation) are replaced
+        by the saved state; the global RNG and the loader's generators keep the save moment's
+        state, which the checkpoint restored, so later draws (dropout) match the uninterrupted run.
+        """
+        loader = self.dataloader
+        now = _capture_rng(generators)
+        try:
+            loader.load_state_dict(saved["state"])
+            iterator: Iterator[Any] = iter(loader)
+        except Exception as err:
+            err.add_note(
+                f"while restoring the {type(loader).__qualname__} state saved after micro-batch {self._position} "
+                f"of epoch {self.epoch}"
+            )
+            raise
+        finally:
+            _restore_rng(now, generators)
+        self._loader_state = None
         return iterator
 
     def _take(self, iterator: Iterator[Any]) -> Any:
@@ -562,6 +618,9 @@ class StepScheduler:
             is_last = exhausted or self._pulled >= items
         else:
             if not exhausted:  # peek one micro-batch: is there a next window?
+                if self._stateful_loader:  # the loader's state at the window's end, before it counts the peek
+                    state = {"num_workers": self.dataloader.num_workers, "state": self.dataloader.state_dict()}
+                    self._state_before_lookahead = (self._pulled, copy.deepcopy(state))
                 peeked = next(iterator, _NO_ITEM)
                 exhausted = peeked is _NO_ITEM
                 self._pending = peeked
@@ -680,7 +739,7 @@ class StepScheduler:
             raise RuntimeError("StepScheduler.set_epoch(): a window is open; call finish_step() first")
         if epoch != self.epoch:
             self.epoch, self._position, self._epoch_rng, self._epoch_done = epoch, 0, None, False
-            self._replay = None
+            self._replay, self._loader_state = None, None
             self._drop_iterator()
         if self.dataloader is not None:
             for part in _loader_parts(self.dataloader):
@@ -715,21 +774,46 @@ class StepScheduler:
             "loader_len": self._loader_len,
         }
 
+    def _saved_position(self) -> tuple[int, int, dict[str, Any] | None]:
+        """``(epoch, position, epoch_rng)`` a resume continues from (see :meth:`state_dict`)."""
+        closed = not self._open or self._provisional  # the seed's loop: the open window already counts
+        epoch_done = self._window_is_last if self._provisional else self._epoch_done
+        if epoch_done and closed:
+            return self.epoch + 1, 0, None
+        if self._provisional:
+            return self.epoch, self._pulled, self._epoch_rng
+        return self.epoch, self._position, self._epoch_rng
+
+    def _loader_entry(self, position: int) -> dict[str, Any] | None:
+        """A StatefulDataLoader's state after exactly ``position`` micro-batches of the current epoch.
+
+        The loader's ``state_dict()`` counts the batches it has yielded (its workers' prefetch
+        is not counted). Those are the consumed ones unless the scheduler looked one ahead
+        (a loader without ``len()``); for that case the state from before the look-ahead was
+        kept. None at an epoch's start (a fresh iterator then starts the epoch, as in an
+        uninterrupted run) and while a window is open (a state in the middle of a step).
+        """
+        if not self._stateful_loader or position == 0:
+            return None
+        if self._iterator is None:  # nothing read since load_state_dict(): the loaded state still holds
+            held = self._loader_state
+            return held if held is not None and position == self._position else None
+        if self._pulled == position and self._pending is _NO_ITEM:
+            return {"num_workers": self.dataloader.num_workers, "state": self.dataloader.state_dict()}
+        before = self._state_before_lookahead
+        if before is not None and before[0] == position:
+            return before[1]
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: ``step``, ``epoch``, ``position`` (micro-batches into the epoch), the
-        epoch's RNG states (``epoch_rng``) and the ``config`` a resume must match.
+        epoch's RNG states (``epoch_rng``), a StatefulDataLoader's own state at that position
+        (``loader``: ``{"num_workers", "state"}``, else None) and the ``config`` a resume must match.
 
         Correct whenever it is called: a window counts once ``finish_step()`` closed
         it; after an epoch's last window the state points at the next epoch.
         """
-        closed = not self._open or self._provisional  # the seed's loop: the open window already counts
-        epoch_done = self._window_is_last if self._provisional else self._epoch_done
-        if epoch_done and closed:
-            epoch, position, rng = self.epoch + 1, 0, None
-        elif self._provisional:
-            epoch, position, rng = self.epoch, self._pulled, self._epoch_rng
-        else:
-            epoch, position, rng = self.epoch, self._position, self._epoch_rng
+        epoch, position, rng = self._saved_position()
         return {
             "step": self.step,
             "epoch": epoch,
@@ -737,6 +821,7 @@ class StepScheduler:
             "epoch_rng": None
             if rng is None or position == 0
             else {"torch": rng["torch"].clone(), "generators": [s.clone() for s in rng["generators"]]},
+            "loader": self._loader_entry(position),
             "stream_exhausted": self.stream_exhausted,
             "config": self._config(),
         }
@@ -762,9 +847,11 @@ class StepScheduler:
             )
         for key in ("step", "epoch", "position"):
             _check_int("StepScheduler.load_state_dict", key, state[key], 0)
+        loader_state = self._check_loader_entry(state.get("loader"))
         rng = state.get("epoch_rng")
         self.step, self.epoch, self._position = int(state["step"]), int(state["epoch"]), int(state["position"])
         self._epoch_rng = None if rng is None else {"torch": rng["torch"], "generators": list(rng["generators"])}
+        self._loader_state = loader_state if self._position > 0 else None
         self.stream_exhausted = bool(state.get("stream_exhausted", False))
         self._epoch_done, self._replay, self._window, self._window_is_last, self._boundary = (
             False,
@@ -774,6 +861,31 @@ class StepScheduler:
             None,
         )
         self._drop_iterator()
+
+    def _check_loader_entry(self, entry: Any) -> dict[str, Any] | None:
+        """A saved StatefulDataLoader state (``state["loader"]``), checked against this scheduler's loader."""
+        owner = "StepScheduler.load_state_dict"
+        if entry is None:
+            return None
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("state"), Mapping):
+            got = f"a {type(entry).__name__}" if not isinstance(entry, Mapping) else f"keys {sorted(map(str, entry))}"
+            raise ValueError(
+                f"{owner}: state['loader'] must be None or a dict with the loader's 'state' dict and its "
+                f"'num_workers' (got {got})"
+            )
+        workers = entry.get("num_workers")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"{owner}: state['loader']['num_workers'] must be an int >= 0 (got {workers!r})")
+        if not self._stateful_loader:
+            return None  # another kind of loader now: the position and the epoch's RNG state resume it
+        live = self.dataloader.num_workers
+        if workers != live:
+            raise ValueError(
+                f"{owner}: the checkpoint's {type(self.dataloader).__qualname__} state was saved with "
+                f"num_workers={workers}, but this loader has num_workers={live}; torchdata restores a loader's "
+                f"state only into one with as many workers: build it with num_workers={workers} to resume"
+            )
+        return {"num_workers": workers, "state": dict(entry["state"])}
 
     def _seed_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The seed's ``{"step", "epoch"}``: the start of that epoch's data, counters at ``step``."""

@@ -2,56 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-import multiprocessing
 from typing import Any
 
 import pytest
 import torch
-from nvtrain_checkpoint import snapshot
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-import nvtrain
 from nvtrain.data_cursor import DataCursor
-from nvtrain.step_scheduler import StepSchedulerConfig
-
-
-class CountingDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """A map-style dataset that records every index read, also from DataLoader workers (shared memory)."""
-
-    def __init__(self, samples: int) -> None:
-        data = torch.Generator().manual_seed(3)
-        self.x = torch.randn(samples, 3, generator=data)
-        self.y = torch.randn(samples, 2, generator=data)
-        self.reads = multiprocessing.Array("i", 4096)
-        self.count = multiprocessing.Value("i", 0)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with self.count.get_lock():
-            self.reads[self.count.value] = index
-            self.count.value += 1
-        return self.x[index], self.y[index]
-
-    def read(self) -> list[int]:
-        return list(self.reads[: self.count.value])
-
-
-class GrabState:
-    """Copies the strategy's whole state at AFTER_BATCH of one step (what a checkpoint would hold)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.state: dict[str, Any] | None = None
-
-    @nvtrain.hookimpl
-    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
-        if ctx.step_count == self.step and ctx.sync_gradients and self.state is None:
-            self.state = snapshot(ctx.strategy.state_dict())  # type: ignore[union-attr]
+from tests.resume_helpers import CountingDataset, GrabState, train
 
 
 def _loader(samples: int, generator: bool, workers: int) -> DataLoader[Any]:
@@ -64,36 +24,6 @@ def _loader(samples: int, generator: bool, workers: int) -> DataLoader[Any]:
     )
 
 
-def _strategy(hooks: list[object], max_steps: int) -> nvtrain.TrainingStrategy:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2))
-    return nvtrain.TrainingStrategy(
-        models=model,
-        optimizers=functools.partial(torch.optim.AdamW, lr=0.01),
-        loss_fn=torch.nn.functional.mse_loss,
-        hooks=hooks,
-        device="cpu",
-        step_scheduler=StepSchedulerConfig(max_steps=max_steps, ckpt_every_steps=None, validate_on_checkpoint=False),
-    )
-
-
-def _train(loader: DataLoader[Any], hooks: list[object], max_steps: int, state: Any = None) -> dict[str, Any]:
-    strategy = _strategy(hooks, max_steps)
-    torch.manual_seed(12345)  # whatever the process drew before must not matter to a resumed run
-    if state is not None:
-        strategy.load_state_dict(state)
-    else:
-        torch.manual_seed(1)
-    with strategy:
-        strategy.run(loader)
-    return {
-        "params": {k: v.clone() for k, v in strategy.ctx.models["main"].state_dict().items()},
-        "rng": torch.get_rng_state(),
-        "generator": None if loader.generator is None else loader.generator.get_state(),
-        "reads": loader.dataset.read(),  # type: ignore[attr-defined]
-    }
-
-
 @pytest.mark.parametrize(
     ("samples", "generator", "workers"),
     [(100, False, 0), (98, True, 0), (98, True, 2)],
@@ -101,11 +31,11 @@ def _train(loader: DataLoader[Any], hooks: list[object], max_steps: int, state: 
 )
 def test_resume_at_step_20_of_25_reads_only_what_it_trains(samples: int, generator: bool, workers: int) -> None:
     grab = GrabState(20)
-    reference = _train(_loader(samples, generator, 0), [grab], 30)  # uninterrupted, one process: the read order
-    straight = reference if workers == 0 else _train(_loader(samples, generator, workers), [], 30)
+    reference = train(_loader(samples, generator, 0), [grab], 30)  # uninterrupted, one process: the read order
+    straight = reference if workers == 0 else train(_loader(samples, generator, workers), [], 30)
     assert grab.state is not None and grab.state["scheduler"]["position"] == 20
 
-    resumed = _train(_loader(samples, generator, workers), [], 30, state=grab.state)
+    resumed = train(_loader(samples, generator, workers), [], 30, state=grab.state)
 
     for name, tensor in straight["params"].items():
         assert torch.equal(tensor, resumed["params"][name]), name

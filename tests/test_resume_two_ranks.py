@@ -1,0 +1,171 @@
+"""Resume without replay on two ranks (gloo, CPU, DDP through the nvtrain-ddp plugin).
+
+One spawn of two ranks trains 30 steps and checkpoints at step 20 of a 25-step epoch
+(``CheckpointHook``, rank 0 writing for both); a second spawn resumes from that checkpoint
+and trains the remaining 10. Three loaders, each in turn in the same processes (starting
+them is the slow part): a torch DataLoader (the built-in cursor), shuffled and given a
+DistributedSampler by the DDP plugin; a torchdata StatefulDataLoader (its own state) built
+with a shuffling DistributedSampler; and a StatefulDataLoader over a stream sharded by
+rank, whose saved states differ between the ranks, so each rank must get its own back.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.resume_helpers import CountingDataset, CountingStream, RecordSamples, make_strategy
+
+pytestmark = pytest.mark.slow
+
+WORLD_SIZE = 2
+BATCH = 4
+SAMPLES = 200  # 100 a rank: 25 steps an epoch
+SAVE_AT = 20
+
+
+def _variants() -> list[str]:
+    try:
+        import torchdata.stateful_dataloader  # noqa: F401
+    except ImportError:
+        return ["dataloader"]
+    return ["dataloader", "stateful", "stateful-stream"]
+
+
+def _loader(variant: str, rank: int) -> Any:
+    if variant == "dataloader":
+        return DataLoader(CountingDataset(SAMPLES), batch_size=BATCH, shuffle=True)
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    if variant == "stateful":
+        dataset = CountingDataset(SAMPLES)
+        sampler: DistributedSampler[int] = DistributedSampler(
+            dataset, num_replicas=WORLD_SIZE, rank=rank, shuffle=True, seed=0
+        )
+        return StatefulDataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    return StatefulDataLoader(CountingStream(SAMPLES, rank, WORLD_SIZE), batch_size=BATCH)
+
+
+def _train(variant: str, rank: int, root: Path, resume: bool) -> dict[str, Any]:
+    from nvtrain_checkpoint import CheckpointHook
+    from nvtrain_ddp import DDPHook
+
+    loader = _loader(variant, rank)
+    if resume:
+        checkpoint = CheckpointHook(root / "resumed", resume=root / "straight" / f"step_{SAVE_AT}")
+    else:
+        checkpoint = CheckpointHook(root / "straight", step_interval=SAVE_AT)
+    recorder = RecordSamples(loader.dataset)
+    strategy = make_strategy([DDPHook(), checkpoint, recorder], 30)
+    torch.manual_seed(12345 if resume else 1)  # a resumed run takes every random stream from the checkpoint
+    with strategy:
+        strategy.run(loader)
+        sampler = type(strategy.ctx.train_loader.sampler).__name__
+    return {
+        "params": {k: v.clone() for k, v in strategy.ctx.models["main"].state_dict().items()},
+        "reads": loader.dataset.read(),
+        "trained": recorder.samples,
+        "sampler": sampler,
+    }
+
+
+def _rank(rank: int, port: int, out_dir: str, resume: bool) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        torch.set_num_threads(1)
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
+        warnings.filterwarnings("ignore", message="DDPHook: no distributed sampler")  # the stream shards itself
+        for variant in _variants():
+            root = Path(out_dir, variant)
+            result = _train(variant, rank, root, resume)
+            torch.save(result, root / f"{'resumed' if resume else 'straight'}-rank{rank}.pt")
+            dist.barrier()
+    finally:
+        dist.barrier()  # no rank tears gloo down while the other still uses it (SIGABRT in gloo)
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spawn(out_dir: Path, resume: bool, timeout_s: float = 120) -> None:
+    for attempt in range(2):
+        context = mp.spawn(_rank, args=(_free_port(), str(out_dir), resume), nprocs=WORLD_SIZE, join=False)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the two ranks did not finish within {timeout_s:.0f} s")
+            return
+        except mp.ProcessRaisedException as err:
+            transient = ("address already in use", "connection refused", "connection reset", "timed out")
+            if attempt or not any(word in str(err).lower() for word in transient):
+                raise  # only a rendezvous that lost a race for its port or socket is worth a second try
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # the spawned ranks import this module by name: make the repository root importable for them
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+        out = tmp_path_factory.mktemp("resume-two-ranks")
+        for variant in _variants():
+            (out / variant).mkdir()
+        _spawn(out, resume=False)
+        _spawn(out, resume=True)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["dataloader", "stateful", "stateful-stream"])
+def test_two_ranks_resume_bitwise_and_each_reads_only_its_unconsumed_samples(runs: Path, variant: str) -> None:
+    if variant not in _variants():
+        pytest.skip("torchdata is not installed")
+    load = lambda name: torch.load(runs / variant / name, weights_only=True)  # noqa: E731
+    straight = [load(f"straight-rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    resumed = [load(f"resumed-rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    epoch_1 = [set(run["trained"][: SAMPLES // WORLD_SIZE]) for run in straight]
+    assert not epoch_1[0] & epoch_1[1]  # each rank trains its own half
+    for rank in range(WORLD_SIZE):
+        if variant != "stateful-stream":
+            assert straight[rank]["sampler"] == "DistributedSampler"
+        for name, tensor in straight[rank]["params"].items():
+            assert torch.equal(tensor, resumed[rank]["params"][name]), (rank, name)
+            assert torch.equal(tensor, straight[0]["params"][name])  # DDP kept the ranks equal
+        order = straight[rank]["trained"]  # this rank's 30 steps of the uninterrupted run
+        position = SAVE_AT * BATCH
+        assert resumed[rank]["trained"] == order[position:]
+        reads = resumed[rank]["reads"]
+        # never a sample before the saved position, never another rank's: the rest of the epoch, then epoch 2
+        assert reads[: 30 * BATCH - position] == order[position:]
+        look_ahead = BATCH if variant == "stateful-stream" else 0  # a stream without len() is read one ahead
+        assert len(reads) <= 30 * BATCH - position + look_ahead
+
+    if variant == "stateful-stream":  # rank 0 wrote both ranks' loader states, and they differ
+        from nvtrain_checkpoint import read_checkpoint
+
+        state = read_checkpoint(runs / variant / "straight" / f"step_{SAVE_AT}")
+        by_rank = [entry["loader"]["state"] for entry in state["rng_by_rank"]]
+        assert state["scheduler"]["loader"]["state"] == by_rank[0] != by_rank[1]
