@@ -42,6 +42,7 @@ from nvtrain.config.errors import field_of
 from nvtrain.errors import ResumeError
 from nvtrain.hook import AveragesWeights
 from nvtrain.hookspecs import hookimpl
+from nvtrain.validators import FieldProblem
 
 __all__ = [
     "EXIT_DIVERGED",
@@ -372,7 +373,9 @@ def _construct(loaded: LoadedConfig, path: tuple[str | int, ...], name: str, bui
     except PluginError as err:
         unknown = err.unknown if isinstance(err, PluginSettingsError) else ()
         raise loaded.error(str(err), (*path, unknown[0]) if unknown else path) from None
-    except (TypeError, ValueError) as err:  # the hook's own validators: "EMAHook.decay must be ..."
+    except FieldProblem as err:  # the hook's own validators and converters say which field refused what
+        raise loaded.error(f"hook {name!r}: {err}", (*path, err.field) if err.field else path) from None
+    except (TypeError, ValueError) as err:  # a hook from elsewhere whose checks raise plain errors
         field = field_of(err)
         raise loaded.error(f"hook {name!r}: {err}", (*path, field) if field else path) from None
 

@@ -33,7 +33,7 @@ import torch
 
 from nvtrain.batching import batch_size
 from nvtrain.hookspecs import hookimpl
-from nvtrain.validators import int_at_least, optional_int_at_least
+from nvtrain.validators import int_at_least, optional_int_at_least, satisfies
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -58,6 +58,11 @@ CSV_COLUMNS: tuple[str, ...] = (
 
 #: Observers run after the default-priority hooks at the same stage.
 LOGGING_PRIORITY = 90
+
+#: ProgressBarHook.refresh_interval: seconds between redraws.
+_seconds_above_zero = satisfies(
+    "a number of seconds > 0", lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and not v <= 0
+)
 
 
 def estimate_total_steps(ctx: TrainingContext) -> int | None:
@@ -227,7 +232,7 @@ class ProgressBarHook:
     plugin_name: ClassVar[str] = "progress_bar"
 
     log_every_n_steps: int = attrs.field(default=10, validator=int_at_least(1))
-    refresh_interval: float = attrs.field(default=0.5)
+    refresh_interval: float = attrs.field(default=0.5, validator=_seconds_above_zero)
     #: Where to draw; default ``sys.stderr`` at the time the run starts.
     stream: TextIO | None = None
     #: Force the bar (True) or log lines (False); None: a bar only on a terminal.
@@ -243,11 +248,6 @@ class ProgressBarHook:
     _started: bool = attrs.field(init=False, default=False)
     _total: int | None = attrs.field(init=False, default=None)
     _postfix: dict[str, str] = attrs.field(init=False, factory=dict)
-
-    @refresh_interval.validator
-    def _check_refresh(self, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"ProgressBarHook.refresh_interval must be a number of seconds > 0 (got {value!r})")
 
     def __attrs_post_init__(self) -> None:
         self._reader = StepLogReader(self.log_every_n_steps)

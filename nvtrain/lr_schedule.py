@@ -20,24 +20,18 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from nvtrain.validators import a_callable, one_of, satisfies
+
 __all__ = ["LRSchedule", "ScheduledLR", "plan_schedules"]
 
 Interval = Literal["step", "epoch"]
 
 
-def _callable(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not callable(value):
-        raise TypeError(f"LRSchedule.factory must be callable as factory(optimizer) (got {value!r})")
-
-
-def _interval(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value not in ("step", "epoch"):
-        raise ValueError(f"LRSchedule.interval must be 'step' or 'epoch' (got {value!r})")
-
-
-def _monitor(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ValueError(f"LRSchedule.monitor must be a validation metric name such as 'loss' (got {value!r})")
+_callable = a_callable("callable as factory(optimizer)")
+_interval = one_of(("step", "epoch"))
+_monitor = satisfies(
+    "a validation metric name such as 'loss'", lambda value: value is None or (isinstance(value, str) and bool(value))
+)
 
 
 @attrs.frozen

@@ -21,6 +21,8 @@ import attrs
 import torch
 from torch.optim.lr_scheduler import ConstantLR, LinearLR, ReduceLROnPlateau, SequentialLR
 
+from nvtrain.validators import FieldProblem, FieldTypeError, FieldValueError, refused
+
 __all__ = ["ALIASES", "Warmup", "constant", "linear", "resolve", "warmup"]
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -56,24 +58,40 @@ def linear(optimizer: torch.optim.Optimizer, total_steps: int, end_factor: float
     return LinearLR(optimizer, start_factor=1.0, end_factor=end_factor, total_iters=total_steps)
 
 
+def _refused(
+    instance: Any,
+    attribute: attrs.Attribute[Any],
+    value: Any,
+    expected: str,
+    message: str | None = None,
+    error: type[FieldProblem] = FieldValueError,
+) -> FieldProblem:
+    """The error of a warmup setting; messages name ``warmup``, the function users call."""
+    if message is None:
+        message = f"warmup: {attribute.name} must be {expected} (got {value!r})"
+    return refused(type(instance).__name__, attribute.name, value, expected, message=message, error=error)
+
+
 def _callable(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    expected = "callable as factory(optimizer)"
     if not callable(value):
-        raise TypeError(f"warmup: factory must be callable as factory(optimizer) (got {value!r})")
+        raise _refused(instance, attribute, value, expected, error=FieldTypeError)
     if hasattr(value, "interval") and hasattr(value, "factory"):  # an nvtrain.LRSchedule: its interval would be lost
-        raise TypeError(
+        message = (
             "warmup: factory is an LRSchedule; wrap the warmup in it instead: "
             "nvtrain.LRSchedule(nvtrain.schedules.warmup(factory, steps=...), interval=...)"
         )
+        raise _refused(instance, attribute, value, f"{expected}, not an LRSchedule", message, FieldTypeError)
 
 
 def _steps(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"warmup: steps must be an int >= 1 (got {value!r})")
+        raise _refused(instance, attribute, value, "an int >= 1")
 
 
 def _start_factor(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 < value <= 1.0:
-        raise ValueError(f"warmup: start_factor must be in (0.0, 1.0] (got {value!r})")
+        raise _refused(instance, attribute, value, "in (0.0, 1.0]")
 
 
 @attrs.frozen

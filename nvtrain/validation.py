@@ -10,12 +10,18 @@ import attrs
 import torch
 
 from nvtrain.hook import AveragesWeights, ProvidesAutocast
-from nvtrain.validators import optional_int_at_least
+from nvtrain.validators import optional_int_at_least, satisfies
 
 __all__ = ["ValidationConfig", "ValidationLoop", "validation_autocast", "validation_models"]
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 Metric = Callable[[Any, Any], torch.Tensor]
+
+#: ValidationConfig.use_mixed_precision: True, False or "auto" (an int such as 1 is not True).
+_true_false_or_auto = satisfies(
+    "True, False or 'auto'",
+    lambda v: v in (True, False, "auto") and not (isinstance(v, int) and not isinstance(v, bool)),
+)
 
 
 @attrs.frozen
@@ -33,14 +39,9 @@ class ValidationConfig:
     data: Iterable[Any] | None = None
     every_n_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     every_n_epochs: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
-    use_mixed_precision: bool | Literal["auto"] = attrs.field(default="auto")
+    use_mixed_precision: bool | Literal["auto"] = attrs.field(default="auto", validator=_true_false_or_auto)
     use_ema: bool = False
     metrics: Mapping[str, Metric] = attrs.field(factory=dict)
-
-    @use_mixed_precision.validator
-    def _check_amp(self, attribute: attrs.Attribute[Any], value: object) -> None:
-        if value not in (True, False, "auto") or (isinstance(value, int) and not isinstance(value, bool)):
-            raise ValueError(f"ValidationConfig.use_mixed_precision must be True, False or 'auto' (got {value!r})")
 
     @property
     def epoch_interval(self) -> int | None:

@@ -301,6 +301,76 @@ def test_a_structured_validator_error_is_placed_by_its_field_not_its_wording(tmp
     assert str(err).endswith("hook 'picky_hooks_structured:Picky': too high")
 
 
+#: A bad value for each hook setting whose check was once written by hand: (hook entry, field, message).
+HAND_WRITTEN_CHECKS = [
+    ("{name: early_stopping, monitor: ''}", "monitor", "EarlyStoppingHook.monitor must be a non-empty key"),
+    ("{name: early_stopping, mode: highest}", "mode", "EarlyStoppingHook.mode must be 'min'"),
+    ("{name: clip, max_norm: 1.0, model_keys: 5}", "model_keys", "GradientClippingHook.model_keys must be None or"),
+    ("{name: trainable_params, trainable: ['']}", "trainable", "must hold non-empty glob strings"),
+    ("{name: trainable_params, trainable: a, frozen: [a, 3]}", "frozen", "must hold non-empty glob strings"),
+    ("{name: trainable_params, trainable: a, model_keys: 3}", "model_keys", "TrainableParameterHook.model_keys"),
+    ("{name: module_patch, patches: {'*': nn.Identity}}", "patches", "ModulePatchHook.patches['*'] must be callable"),
+    ("{name: module_patch, patches: 3}", "patches", "ModulePatchHook.patches must be a mapping"),
+    ("{name: spike_skip, monitor: weights}", "monitor", "SpikeSkipHook.monitor must name one or both"),
+    ("{name: stage_timing, stages: [forward]}", "stages", "StageTimingHook.stages must be TrainingStage values"),
+    ("{name: stage_timing, stages: [1]}", "stages", "StageTimingHook.stages must be a non-empty set of batch"),
+    ("{name: stage_timing, log: 1}", "log", "StageTimingHook.log must be True or False (got 1)"),
+    ("{name: amp, precision: fp8}", "precision", "MixedPrecisionHook.precision must be one of"),
+    ("{name: profiler, schedule: 3}", "schedule", "TorchProfilerHook.schedule must be a callable"),
+    ("{name: profiler, activities: [gpu]}", "activities", "unknown activity name 'gpu'"),
+    ("{name: checkpoint, checkpoint_dir: ''}", "checkpoint_dir", "CheckpointHook.checkpoint_dir must be a non-empty"),
+    ("{name: checkpoint, resume: 3}", "resume", "CheckpointHook.resume must be 'never', 'auto' or a checkpoint"),
+    ("{name: ddp, model_keys: []}", "model_keys", "DDPHook.model_keys must name at least one model"),
+    ("{name: ddp, sampler_cls: nodots}", "sampler_cls", "'nodots' is not a dotted path"),
+    ("{name: ddp, sampler_kwargs: {dataset: 1}}", "sampler_kwargs", "must not hold 'dataset'"),
+]
+
+
+@pytest.mark.parametrize(("entry", "field", "message"), HAND_WRITTEN_CHECKS)
+def test_a_hand_written_check_is_placed_at_its_setting_without_reading_the_message(
+    entry: str, field: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nvtrain.app
+
+    monkeypatch.setattr(nvtrain.app, "field_of", lambda err: None)  # the wording fallback, out of the way
+    err = prepare_error(None, f"hooks=[{entry}]")
+    assert err.path == ("hooks", 0, field) and message in str(err)
+
+
+def test_a_hand_written_check_in_yaml_is_located_at_its_key(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "hooks:\n  - name: amp\n    precision: fp8\n")
+    err = prepare_error(path)
+    assert err.path == ("hooks", 0, "precision") and err.location == f"{path}:7:5"
+    path = write(tmp_path, MINIMAL + "trainer:\n  preemption_signal: SIGBOGUS\n")
+    err = error_of(path)
+    assert err.path == ("trainer", "preemption_signal") and err.location == f"{path}:6:3"
+    assert "'SIGBOGUS' is not a signal name" in str(err)
+
+
+def test_a_plain_validator_error_of_a_hook_from_elsewhere_is_placed_by_its_wording(tmp_path: Path) -> None:
+    # Hooks outside nvtrain (the plugin template's validators too) raise ValueError("Owner.field must ...").
+    (tmp_path / "picky_hooks_plain.py").write_text(
+        textwrap.dedent(
+            """\
+            import attrs
+
+            @attrs.define
+            class Picky:
+                level: int = attrs.field(default=0)
+
+                @level.validator
+                def _check(self, attribute, value):
+                    if value > 3:
+                        raise ValueError(f"Picky.level must be <= 3 (got {value!r})")
+            """
+        ),
+        encoding="utf-8",
+    )
+    path = write(tmp_path, MINIMAL + "hooks:\n  - name: picky_hooks_plain:Picky\n    level: 5\n")
+    err = prepare_error(path)
+    assert err.path == ("hooks", 0, "level") and err.location == f"{path}:7:5"
+
+
 def test_an_unknown_setting_is_named_by_the_error_itself() -> None:
     from nvtrain.hooks import GradientClippingHook
     from nvtrain.plugins import PluginSettingsError, build_hook

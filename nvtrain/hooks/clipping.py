@@ -12,7 +12,7 @@ import torch
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.stages import TrainingStage
 from nvtrain.stash import StashKey
-from nvtrain.validators import number_above, optional_number_above, strict_int
+from nvtrain.validators import number_above, optional_number_above, optional_str_tuple, strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -103,21 +103,15 @@ class OptimizerParameters:
         return [optimizers[key] for key in keys]
 
 
-def _model_keys(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None:
-        return
-    if not value or not all(isinstance(key, str) and key for key in value):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be None or a non-empty tuple of model names "
-            f"(got {value!r})"
-        )
+_model_keys = optional_str_tuple("model names")
 
 
-def _as_key_tuple(value: Any) -> tuple[str, ...] | None:
-    if value is None or isinstance(value, tuple):
-        return value
+def _as_key_tuple(value: Any) -> Any:
+    """A name or names as a tuple; anything else unchanged, for the validator to refuse."""
     if isinstance(value, str):
         return (value,)
+    if value is None or isinstance(value, tuple) or not isinstance(value, Iterable):
+        return value
     return tuple(value)
 
 

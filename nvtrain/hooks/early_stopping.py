@@ -11,7 +11,7 @@ import attrs
 import torch
 
 from nvtrain.hookspecs import hookimpl
-from nvtrain.validators import float_in_range, int_at_least
+from nvtrain.validators import float_in_range, int_at_least, one_of, satisfies
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -23,20 +23,11 @@ logger = logging.getLogger(__name__)
 _MODES = ("min", "max")
 
 
-def _monitor_name(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be a non-empty key of the validation summary, "
-            f"e.g. 'loss' or 'accuracy' (got {value!r})"
-        )
-
-
-def _mode(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value not in _MODES or not isinstance(value, str):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be 'min' (lower is better, e.g. a loss) or 'max' "
-            f"(higher is better, e.g. accuracy) (got {value!r})"
-        )
+_monitor_name = satisfies(
+    "a non-empty key of the validation summary, e.g. 'loss' or 'accuracy'",
+    lambda value: isinstance(value, str) and bool(value.strip()),
+)
+_mode = one_of(_MODES, "'min' (lower is better, e.g. a loss) or 'max' (higher is better, e.g. accuracy)")
 
 
 @attrs.define(eq=False)

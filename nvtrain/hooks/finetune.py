@@ -17,7 +17,14 @@ import attrs
 import torch
 
 from nvtrain.hookspecs import hookimpl
-from nvtrain.validators import strict_int
+from nvtrain.validators import (
+    FieldProblem,
+    FieldTypeError,
+    FieldValueError,
+    optional_str_tuple,
+    refused,
+    strict_int,
+)
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -27,28 +34,30 @@ __all__ = ["ModulePatchHook", "TrainableParameterHook"]
 ModuleFactory = Callable[[torch.nn.Module], torch.nn.Module]
 
 
-def _as_patterns(value: Any) -> tuple[str, ...] | None:
-    if value is None:
-        return None
+def _as_patterns(value: Any) -> Any:
+    """A pattern or patterns as a tuple; anything else unchanged, for the validator to refuse."""
+    if value is None or not isinstance(value, Iterable):
+        return value
     if isinstance(value, str):
         return (value,)
     return tuple(value)
 
 
+def _as_frozen(value: Any) -> Any:
+    return () if value is None else _as_patterns(value)
+
+
 def _patterns(instance: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...] | None) -> None:
     if value is None:
         return
-    bad = [p for p in value if not isinstance(p, str) or not p]
-    if bad:
-        raise ValueError(f"{type(instance).__name__}.{attribute.name} must hold non-empty glob strings (got {bad!r})")
+    bad = [p for p in value if not isinstance(p, str) or not p] if isinstance(value, tuple) else value
+    if bad or not isinstance(value, tuple):
+        owner = type(instance).__name__
+        message = f"{owner}.{attribute.name} must hold non-empty glob strings (got {bad!r})"
+        raise refused(owner, attribute.name, value, "non-empty glob strings", message=message)
 
 
-def _model_keys(instance: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...] | None) -> None:
-    if value is not None and (not value or not all(isinstance(k, str) and k for k in value)):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be None or a non-empty tuple of model names "
-            f"(got {value!r})"
-        )
+_model_keys = optional_str_tuple("model names")
 
 
 def _selected_models(
@@ -123,7 +132,7 @@ class TrainableParameterHook(_AppliedAtSetup):
     _missed_setup: ClassVar[str] = "no requires_grad flag was set and the optimizers hold every parameter"
 
     trainable: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_patterns)
-    frozen: tuple[str, ...] = attrs.field(default=(), converter=lambda v: _as_patterns(v) or (), validator=_patterns)
+    frozen: tuple[str, ...] = attrs.field(default=(), converter=_as_frozen, validator=_patterns)
     model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_model_keys)
     priority: int = attrs.field(default=2, validator=strict_int)
 
@@ -165,16 +174,32 @@ class TrainableParameterHook(_AppliedAtSetup):
         return self.trainable_names
 
 
+def _as_patches(value: Any) -> Any:
+    """A mapping (or pairs) as a dict; anything else unchanged, for the validator to refuse."""
+    try:
+        return dict(value)
+    except (TypeError, ValueError):
+        return value
+
+
 def _check_patches(instance: Any, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
+    owner = type(instance).__name__
+    expected = "a mapping of non-empty glob strings to module factories"
+
+    def refuse(message: str, error: type[FieldProblem] = FieldValueError) -> FieldProblem:
+        return refused(owner, attribute.name, value, expected, message=message, error=error)
+
+    if not isinstance(value, dict):
+        raise refuse(f"{owner}.patches must be {expected} (got {value!r})", FieldTypeError)
     if not value:
-        raise ValueError("ModulePatchHook.patches must map at least one glob to a module factory (got {})")
+        raise refuse(f"{owner}.patches must map at least one glob to a module factory (got {{}})")
     for pattern, factory in value.items():
         if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"ModulePatchHook.patches keys must be non-empty glob strings (got {pattern!r})")
+            raise refuse(f"{owner}.patches keys must be non-empty glob strings (got {pattern!r})")
         if not callable(factory):
-            raise TypeError(
-                f"ModulePatchHook.patches[{pattern!r}] must be callable as factory(old_module) -> new module "
-                f"(got {factory!r})"
+            raise refuse(
+                f"{owner}.patches[{pattern!r}] must be callable as factory(old_module) -> new module (got {factory!r})",
+                FieldTypeError,
             )
 
 
@@ -193,7 +218,7 @@ class ModulePatchHook(_AppliedAtSetup):
     plugin_name: ClassVar[str] = "module_patch"
     _missed_setup: ClassVar[str] = "no module was replaced and the optimizers hold the old parameters"
 
-    patches: dict[str, ModuleFactory] = attrs.field(converter=dict, validator=_check_patches)
+    patches: dict[str, ModuleFactory] = attrs.field(converter=_as_patches, validator=_check_patches)
     model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_model_keys)
     priority: int = attrs.field(default=1, validator=strict_int)
 

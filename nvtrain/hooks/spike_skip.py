@@ -14,7 +14,7 @@ import torch.distributed as dist
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.hooks.clipping import GRAD_NORM, OptimizerParameters, total_grad_norm
 from nvtrain.stages import TrainingStage
-from nvtrain.validators import int_at_least, number_above, strict_int
+from nvtrain.validators import int_at_least, number_above, refused, strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -25,15 +25,19 @@ _DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
 _SIGNALS = ("loss", "grad_norm")
 
 
-def _as_tuple(value: Any) -> tuple[str, ...]:
-    return (value,) if isinstance(value, str) else tuple(value)
+def _as_tuple(value: Any) -> Any:
+    """A name or names as a tuple; anything else unchanged, for the validator to refuse."""
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value) if isinstance(value, Iterable) else value
 
 
 def _monitor(instance: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
-    if not value or any(v not in _SIGNALS for v in value) or len(set(value)) != len(value):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must name one or both of {_SIGNALS}, each once (got {value!r})"
-        )
+    valid = isinstance(value, tuple) and bool(value) and all(isinstance(v, str) and v in _SIGNALS for v in value)
+    if not valid or len(set(value)) != len(value):
+        owner, expected = type(instance).__name__, f"one or both of {_SIGNALS}, each once"
+        message = f"{owner}.{attribute.name} must name {expected} (got {value!r})"
+        raise refused(owner, attribute.name, value, expected, message=message)
 
 
 class RollingStats:

@@ -20,7 +20,7 @@ import torch
 
 from nvtrain.hookspecs import hookimpl
 from nvtrain.stages import BATCH_STAGES, REPLACEMENT_STAGES, TrainingStage
-from nvtrain.validators import int_at_least, strict_int
+from nvtrain.validators import int_at_least, refused, strict_bool, strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -39,16 +39,19 @@ def _as_stages(value: Any) -> tuple[TrainingStage, ...]:
     try:
         return tuple(sorted({TrainingStage(s) for s in value}))
     except (TypeError, ValueError):
-        raise ValueError(f"StageTimingHook.stages must be TrainingStage values (got {value!r})") from None
+        message = f"StageTimingHook.stages must be TrainingStage values (got {value!r})"
+        raise refused("StageTimingHook", "stages", value, "TrainingStage values", message=message) from None
 
 
 def _check_stages(instance: Any, attribute: attrs.Attribute[Any], value: tuple[TrainingStage, ...]) -> None:
     outside = [s.name for s in value if s not in BATCH_STAGES]
     if not value or outside:
-        raise ValueError(
-            f"StageTimingHook.stages must be a non-empty set of batch stages (BEFORE_BATCH ... AFTER_BATCH) "
+        expected = "a non-empty set of batch stages (BEFORE_BATCH ... AFTER_BATCH)"
+        message = (
+            f"{type(instance).__name__}.{attribute.name} must be {expected} "
             f"(got {[s.name for s in value] or 'nothing'}; not batch stages: {outside})"
         )
+        raise refused(type(instance).__name__, attribute.name, value, expected, message=message)
 
 
 @attrs.define(slots=True)
@@ -118,9 +121,9 @@ class StageTimingHook:
     )
     flush_every_n_steps: int = attrs.field(default=100, validator=int_at_least(1))
     #: Also log a summary line (logger ``nvtrain.hooks.timing``, level INFO) at each flush.
-    log: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    log: bool = attrs.field(default=False, validator=strict_bool)
     #: Emit NVTX ranges when timing on CUDA.
-    nvtx: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    nvtx: bool = attrs.field(default=True, validator=strict_bool)
     max_samples: int = attrs.field(default=10_000, validator=int_at_least(1))
     priority: int = attrs.field(default=-1000, validator=strict_int)
 

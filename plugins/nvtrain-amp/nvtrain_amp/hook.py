@@ -13,7 +13,7 @@ from torch.utils.hooks import RemovableHandle
 import nvtrain
 from nvtrain import TrainingStage
 from nvtrain.validators import float_in_range, int_at_least, number_above, strict_int
-from nvtrain_amp.precision import AUTO, Precision, parse_precision, precision_name, resolve_auto
+from nvtrain_amp.precision import AUTO, Precision, as_precision, precision_name, precision_validator, resolve_auto
 
 __all__ = ["MixedPrecisionHook"]
 
@@ -61,7 +61,7 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     )
     vetoes = frozenset()
 
-    precision: Precision = attrs.field(converter=parse_precision)
+    precision: Precision = attrs.field(converter=as_precision, validator=precision_validator)
     init_scale: float = attrs.field(default=2.0**16, validator=number_above(0))
     growth_factor: float = attrs.field(default=2.0, validator=number_above(1.0))
     backoff_factor: float = attrs.field(default=0.5, validator=float_in_range(0.0, 1.0))

@@ -6,7 +6,19 @@ from typing import Literal
 
 import torch
 
-__all__ = ["AUTO", "PRECISION_NAMES", "Precision", "parse_precision", "precision_name", "resolve_auto"]
+from nvtrain.validators import refused, satisfies
+
+__all__ = [
+    "AUTO",
+    "PRECISION_NAMES",
+    "Precision",
+    "as_precision",
+    "is_precision",
+    "parse_precision",
+    "precision_name",
+    "precision_validator",
+    "resolve_auto",
+]
 
 #: Resolved when the device is known: bf16 on CUDA (fp16 where bf16 is unsupported), fp32 elsewhere.
 AUTO: Literal["auto"] = "auto"
@@ -29,16 +41,36 @@ PRECISION_NAMES = (
 )
 
 
+def as_precision(value: object) -> object:
+    """A precision setting's name as its dtype (``"bf16"`` -> ``torch.bfloat16``); anything else unchanged.
+
+    The converter of ``MixedPrecisionHook.precision``: what it leaves unchanged and
+    :func:`is_precision` refuses, the field's validator refuses.
+    """
+    if isinstance(value, str) and value in _BY_NAME:
+        return _BY_NAME[value]
+    return value
+
+
+def is_precision(value: object) -> bool:
+    """A supported dtype, or ``"auto"``."""
+    return (isinstance(value, torch.dtype) and value in _SUPPORTED) or (isinstance(value, str) and value == AUTO)
+
+
+#: ``MixedPrecisionHook.precision``'s validator: ``must be one of <PRECISION_NAMES>``.
+precision_validator = satisfies(f"one of {PRECISION_NAMES}", is_precision)
+
+
 def parse_precision(value: object) -> Precision:
-    """Normalise a precision setting to a dtype (or ``"auto"``); refuse anything else."""
-    if isinstance(value, torch.dtype) and value in _SUPPORTED:
-        return value
-    if isinstance(value, str):
-        if value == AUTO:
-            return AUTO
-        if value in _BY_NAME:
-            return _BY_NAME[value]
-    raise ValueError(f"MixedPrecisionHook.precision must be one of {PRECISION_NAMES} (got {value!r})")
+    """Normalise a precision setting to a dtype (or ``"auto"``); refuse anything else.
+
+    The refusal is the field's: a :class:`~nvtrain.validators.FieldValueError` (a
+    ``ValueError``) naming ``MixedPrecisionHook.precision``.
+    """
+    precision = as_precision(value)
+    if not is_precision(precision):
+        raise refused("MixedPrecisionHook", "precision", value, f"one of {PRECISION_NAMES}")
+    return precision  # type: ignore[return-value]
 
 
 def precision_name(dtype: torch.dtype) -> str:

@@ -14,7 +14,15 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 import nvtrain
-from nvtrain.validators import strict_bool, strict_int
+from nvtrain.validators import (
+    FieldProblem,
+    FieldTypeError,
+    FieldValueError,
+    refused,
+    satisfies,
+    strict_bool,
+    strict_int,
+)
 
 __all__ = ["TorchProfilerHook"]
 
@@ -25,34 +33,41 @@ def _as_activities(value: Any) -> tuple[ProfilerActivity, ...] | None:
     """Accept ProfilerActivity members or their names ("cpu", "cuda"), as configs spell them."""
     if value is None:
         return None
+    expected = "torch.profiler.ProfilerActivity values or their names, or None"
+
+    def refuse(message: str, error: type[FieldProblem] = FieldValueError) -> FieldProblem:
+        return refused("TorchProfilerHook", "activities", value, expected, message=message, error=error)
+
     items = [value] if isinstance(value, (str, ProfilerActivity)) else value
     if not isinstance(items, Iterable):
-        raise TypeError(f"TorchProfilerHook.activities must be ProfilerActivity values or None (got {value!r})")
+        raise refuse(
+            f"TorchProfilerHook.activities must be ProfilerActivity values or None (got {value!r})", FieldTypeError
+        )
     activities = []
     for item in items:
         if isinstance(item, str):
             if item.lower() not in _ACTIVITY_NAMES:
                 names = ", ".join(sorted(_ACTIVITY_NAMES))
-                raise ValueError(f"TorchProfilerHook.activities: unknown activity name {item!r} (known: {names})")
+                raise refuse(f"TorchProfilerHook.activities: unknown activity name {item!r} (known: {names})")
             item = _ACTIVITY_NAMES[item.lower()]
         if not isinstance(item, ProfilerActivity):
-            raise TypeError(
+            raise refuse(
                 f"TorchProfilerHook.activities must hold torch.profiler.ProfilerActivity values or their names "
-                f"(got {item!r})"
+                f"(got {item!r})",
+                FieldTypeError,
             )
         if item not in activities:
             activities.append(item)
     if not activities:
-        raise ValueError("TorchProfilerHook.activities is empty: give at least one activity, or None for the default")
+        raise refuse("TorchProfilerHook.activities is empty: give at least one activity, or None for the default")
     return tuple(activities)
 
 
-def _schedule(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not callable(value):
-        raise TypeError(
-            "TorchProfilerHook.schedule must be a callable step -> ProfilerAction, e.g. "
-            f"torch.profiler.schedule(wait=1, warmup=1, active=3), or None (got {value!r})"
-        )
+_schedule = satisfies(
+    "a callable step -> ProfilerAction, e.g. torch.profiler.schedule(wait=1, warmup=1, active=3), or None",
+    lambda value: value is None or callable(value),
+    error=FieldTypeError,
+)
 
 
 @attrs.define(eq=False)
