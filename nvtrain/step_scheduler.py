@@ -902,7 +902,14 @@ class StepScheduler:
 
 
 def _check_signal(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    resolve_signals(value, "StepSchedulerConfig.preemption_signal")
+    from nvtrain.validators import refused
+
+    owner = type(instance).__name__
+    try:
+        resolve_signals(value, f"{owner}.{attribute.name}")
+    except ValueError as err:  # the message says which signal and why; the error also names the field
+        expected = "signal names or numbers a process can catch (e.g. 'SIGTERM'), a list of them, or None"
+        raise refused(owner, attribute.name, value, expected, message=str(err)) from None
 
 
 def _as_signal_spec(value: Any) -> Any:

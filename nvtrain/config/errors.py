@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nvtrain.validators import FieldProblem, FieldValueError
+from nvtrain.validators import FieldValueError
 
 __all__ = ["ConfigError", "ConfigPath", "FieldError", "describe", "field_of", "format_path"]
 
@@ -40,16 +40,15 @@ def format_path(path: Sequence[str | int]) -> str:
 
 
 def field_of(err: BaseException) -> str | None:
-    """The field an attrs validator's error is about, or None.
+    """The field a plain ``ValueError`` / ``TypeError`` of a hook's constructor names, or None.
 
-    A :class:`~nvtrain.validators.FieldProblem` says so itself. Validators that
-    still raise a plain ``ValueError`` / ``TypeError`` (a plugin's own, the signal
-    check of ``trainer.preemption_signal``) follow the house style of opening the
-    message with ``Owner.field``: ``EMAHook.model_key must be ...``,
-    ``StepSchedulerConfig.preemption_signal: ...``; that first word is read instead.
+    Every check in nvtrain and the plugins in its repository raises a
+    :class:`~nvtrain.validators.FieldProblem`, which carries its field, and is placed
+    by it. Hooks from elsewhere (a third-party plugin, an import-path hook; the plugin
+    template's validators too) may raise plain errors in the house style, opening the
+    message with ``Owner.field``: ``GradNormMonitor.every must be ...``. For those,
+    ``nvtrain train`` reads that first word (``every``) here.
     """
-    if isinstance(err, FieldProblem):
-        return err.field or None
     head = str(err).split(" ", 1)[0].rstrip(":")
     owner, dot, field = head.partition(".")
     if dot and owner.isidentifier() and owner[0].isupper() and field.isidentifier():

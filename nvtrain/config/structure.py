@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from nvtrain.config.converter import converter
-from nvtrain.config.errors import ConfigError, ConfigPath, field_of, format_path
+from nvtrain.config.errors import ConfigError, ConfigPath, format_path
 from nvtrain.config.schema import SECTIONS, RunConfig
 from nvtrain.validators import FieldProblem
 
@@ -71,10 +71,8 @@ def problems(err: BaseException, path: ConfigPath = ()) -> Iterator[Problem]:
     if isinstance(err, FieldProblem):  # a field's validator, or a hook entry without a usable name
         yield Problem((*path, err.field) if err.field else path, str(err))
         return
-    if isinstance(err, (TypeError, ValueError)):
-        # Already placed when cattrs noted the attribute; else a validator outside nvtrain.validators.
-        field = None if _note_path(err) else field_of(err)
-        yield Problem((*path, field) if field else path, str(err))
+    if isinstance(err, (TypeError, ValueError)):  # a structure hook's; cattrs noted the attribute or index
+        yield Problem(path, str(err))
         return
     raise err
 
