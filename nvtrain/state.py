@@ -25,6 +25,7 @@ import torch
 
 from nvtrain.data_cursor import is_stateful_dataloader
 from nvtrain.distributed import unwrap_model
+from nvtrain.epoch_reader import loader_generators
 from nvtrain.errors import ResumeError
 from nvtrain.hook import CheckpointableHook, hook_label
 from nvtrain.hookspecs import PROJECT_NAME, hookimpl
@@ -137,26 +138,6 @@ def _legacy_hook_keys(hooks: Iterable[object]) -> dict[str, CheckpointableHook]:
     return keyed
 
 
-def _loader_generators(loader: Any) -> dict[str, torch.Generator]:
-    """The ``torch.Generator`` objects a DataLoader's sampling draws from, by attribute path."""
-    found: dict[str, torch.Generator] = {}
-    if loader is None:
-        return found
-    candidates = {
-        "loader.generator": getattr(loader, "generator", None),
-        "loader.sampler.generator": getattr(getattr(loader, "sampler", None), "generator", None),
-        "loader.batch_sampler.sampler.generator": getattr(
-            getattr(getattr(loader, "batch_sampler", None), "sampler", None), "generator", None
-        ),
-    }
-    seen: set[int] = set()
-    for path, generator in candidates.items():
-        if isinstance(generator, torch.Generator) and id(generator) not in seen:
-            seen.add(id(generator))
-            found[path] = generator
-    return found
-
-
 def capture_rng_state(loader: Any = None, *, loader_state: bool = True) -> dict[str, Any]:
     """Python, NumPy (when installed), torch CPU, every CUDA device and the loader's generators.
 
@@ -179,7 +160,7 @@ def capture_rng_state(loader: Any = None, *, loader_state: bool = True) -> dict[
         }
     if torch.cuda.is_available():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
-    state["generators"] = {path: gen.get_state() for path, gen in _loader_generators(loader).items()}
+    state["generators"] = {path: gen.get_state() for path, gen in loader_generators(loader).items()}
     if loader_state and loader is not None and is_stateful_dataloader(loader):
         state["loader"] = stateful_loader_state(loader)
     return state
@@ -295,7 +276,7 @@ def apply_rng_state(state: Mapping[str, Any], loader: Any = None) -> None:
 
 def apply_loader_generators(state: Mapping[str, Any], loader: Any) -> None:
     """Set the loader's sampling generators from an RNG state of :func:`capture_rng_state`."""
-    live = _loader_generators(loader)
+    live = loader_generators(loader)
     for path, gen_state in (state.get("generators") or {}).items():
         generator = live.get(path)
         if generator is not None:

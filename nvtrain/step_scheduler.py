@@ -26,13 +26,12 @@ cadence of ``every`` fires when ``scheduler.step % every == 0``, i.e. on the
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 import signal
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +39,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from nvtrain.data_cursor import DataCursor, is_stateful_dataloader
+from nvtrain.epoch_reader import NO_ITEM, EpochReader, loader_len, loader_parts
 from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
 from nvtrain.validators import int_at_least, optional_int_at_least
 
@@ -53,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 _STATE_KEYS = ("step", "epoch", "position", "config")
 _CONFIG_KEYS = ("global_batch_size", "local_batch_size", "dp_size", "grad_acc_steps", "loader_len")
-_NO_ITEM: Any = object()
 
 #: The scheduler reading each StatefulDataLoader (both held weakly), so that what a rank contributes
 #: to a checkpoint (``nvtrain.state.capture_rng_state``) can hold the loader's state at the data position.
@@ -88,57 +86,6 @@ def _val_cadences(owner: str, value: int | Sequence[int] | None) -> tuple[int, .
     for item in items:
         _check_int(owner, "val_every_steps", item, 1)
     return tuple(sorted(set(items)))
-
-
-def _loader_len(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except (TypeError, NotImplementedError):  # no __len__, or one that refuses (an IterableDataset's loader)
-        return None
-
-
-def _loader_parts(loader: Any) -> list[Any]:
-    """The loader and the objects behind it that may carry per-epoch state, each once."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    candidates = [
-        loader,
-        getattr(loader, "sampler", None),
-        batch_sampler,
-        getattr(batch_sampler, "sampler", None),
-        getattr(loader, "dataset", None),
-        getattr(loader, "collate_fn", None),
-    ]
-    parts: list[Any] = []
-    for part in candidates:
-        if part is not None and all(part is not seen for seen in parts):
-            parts.append(part)
-    return parts
-
-
-def _loader_generators(loader: Any) -> list[torch.Generator]:
-    """The RNG generators a new iterator of ``loader`` may draw from (besides the global one)."""
-    generators: list[torch.Generator] = []
-    for part in (loader, *_loader_parts(loader)[1:4]):
-        generator = getattr(part, "generator", None)
-        if isinstance(generator, torch.Generator) and all(generator is not g for g in generators):
-            generators.append(generator)
-    return generators
-
-
-def _capture_rng(generators: Sequence[torch.Generator]) -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
-
-
-def _restore_rng(state: dict[str, Any], generators: Sequence[torch.Generator]) -> None:
-    saved = list(state.get("generators", []))
-    if len(saved) != len(generators):
-        raise ValueError(
-            f"StepScheduler: the saved epoch RNG holds {len(saved)} sampler/loader generator state(s) but the "
-            f"dataloader has {len(generators)} generator(s); build the loader the same way as the saved run"
-        )
-    torch.set_rng_state(state["torch"])
-    for generator, generator_state in zip(generators, saved, strict=False):
-        generator.set_state(generator_state)
 
 
 @attrs.frozen
@@ -243,7 +190,7 @@ class StepScheduler:
         self.max_steps = max_steps
         #: The epoch bound training stops at (None: only ``max_steps`` bounds the run).
         self.epoch_limit: int | None = num_epochs if num_epochs is not None or max_steps is not None else 1
-        self._loader_len = _loader_len(dataloader) if dataloader is not None else None
+        self._loader_len = loader_len(dataloader) if dataloader is not None else None
         if self._loader_len == 0:
             raise ValueError(f"{owner}: the dataloader is empty (len() == 0)")
         self._watcher = PreemptionWatcher(
@@ -255,17 +202,10 @@ class StepScheduler:
         #: Set when a synchronized stream ran out on some rank: training ends there.
         self.stream_exhausted = False
         self._position = 0  # micro-batches of this epoch consumed by closed windows
-        self._epoch_rng: dict[str, Any] | None = None
-        self._iterator: Iterator[Any] | None = None
-        self._pending: Any = _NO_ITEM  # one peeked micro-batch (loaders without len())
-        self._pulled = 0  # micro-batches taken from the live iterator, the pending one excluded
-        self._epoch_items: int | None = None
+        #: Where the data stands: the epoch's iterator, what was taken, what a resume needs.
+        self._reader = EpochReader(dataloader, sized=not self.synchronized_stream)
         self._replay: tuple[list[Any], bool] | None = None  # a window left open by a ``break``
-        #: A torchdata StatefulDataLoader: its own state_dict() is saved and restored (see state_dict()).
-        self._stateful_loader = dataloader is not None and is_stateful_dataloader(dataloader)
-        self._loader_state: dict[str, Any] | None = None  # a loaded loader state for the resumed epoch
-        self._state_before_lookahead: tuple[int, dict[str, Any]] | None = None  # (pulled, loader state)
-        if self._stateful_loader:
+        if self._reader.stateful:
             with contextlib.suppress(TypeError):  # an unhashable loader: its state is not gathered per rank
                 _READERS[dataloader] = weakref.ref(self)
         #: True when every window will be closed by finish_step() (TrainingStrategy sets it); False:
@@ -446,7 +386,7 @@ class StepScheduler:
         self._provisional = False
         self._open = False
         self.consecutive_skipped_steps = 0 if stepped else self.consecutive_skipped_steps + 1
-        self._position = self._pulled
+        self._position = self._reader.pulled
         self._epoch_done = self._window_is_last
         if self._window_is_last and self.synchronized_stream:
             self.stream_exhausted = True  # a synchronized stream is read once: its end is the end of training
@@ -517,117 +457,46 @@ class StepScheduler:
         self.epoch += 1
         self._position = 0
         self._epoch_done = False
-        self._epoch_rng = None
-        self._loader_state = None
-        self._drop_iterator()
-
-    def _drop_iterator(self) -> None:
-        self._iterator, self._pending, self._pulled, self._epoch_items = None, _NO_ITEM, 0, None
-        self._state_before_lookahead = None
-
-    def _open_iterator(self) -> Iterator[Any]:
-        loader = self.dataloader
-        generators = _loader_generators(loader)
-        position = self._position
-        if position == 0:
-            self._epoch_rng = _capture_rng(generators)
-            iterator = iter(loader)
-        elif self._loader_state is not None:  # a StatefulDataLoader continues from its own saved state
-            iterator = self._resume_stateful_loader(self._loader_state, generators)
-        else:
-            now = _capture_rng(generators)
-            if self._epoch_rng is None:
-                warnings.warn(
-                    f"StepScheduler: resuming epoch {self.epoch} at micro-batch {position} without the epoch's "
-                    "RNG state; a shuffling loader will not replay the saved order",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            else:
-                _restore_rng(self._epoch_rng, generators)
-            try:  # without reading the consumed micro-batches where the loader allows it
-                iterator = DataCursor(loader).open(position, self.epoch)
-            finally:
-                _restore_rng(now, generators)
-        self._iterator, self._pending, self._pulled = iterator, _NO_ITEM, position
-        self._epoch_items = None if self.synchronized_stream else _loader_len(loader)
-        return iterator
-
-    def _resume_stateful_loader(self, saved: dict[str, Any], generators: Sequence[torch.Generator]) -> Iterator[Any]:
-        """``loader.load_state_dict(saved)``, then its iterator; the random state is left as it was.
-
-        The new iterator's draws (its base seed, the sampler's first permutation) are replaced
-        by the saved state; the global RNG and the loader's generators keep the save moment's
-        state, which the checkpoint restored, so later draws (dropout) match the uninterrupted run.
-        """
-        loader = self.dataloader
-        now = _capture_rng(generators)
-        try:
-            loader.load_state_dict(saved["state"])
-            iterator: Iterator[Any] = iter(loader)
-        except Exception as err:
-            err.add_note(
-                f"while restoring the {type(loader).__qualname__} state saved after micro-batch {self._position} "
-                f"of epoch {self.epoch}"
-            )
-            raise
-        finally:
-            _restore_rng(now, generators)
-        self._loader_state = None
-        return iterator
-
-    def _take(self, iterator: Iterator[Any]) -> Any:
-        if self._pending is not _NO_ITEM:
-            item, self._pending = self._pending, _NO_ITEM
-            self._pulled += 1
-            return item
-        item = next(iterator, _NO_ITEM)
-        if item is not _NO_ITEM:
-            self._pulled += 1
-        return item
+        self._reader.new_epoch()
 
     def _next_window(self) -> tuple[list[Any], bool]:
         """The next window and whether it ends the epoch (known before it is yielded)."""
-        iterator = self._iterator if self._iterator is not None else self._open_iterator()
+        reader = self._reader
+        if not reader.is_open:
+            reader.open(self._position, self.epoch)
         size = self.grad_acc_steps
-        items = self._epoch_items
-        if size == 1 and items is not None and self._pending is _NO_ITEM and self._pulled < items:
-            item = next(iterator, _NO_ITEM)  # the common case: one micro-batch per step, a sized loader
-            if item is not _NO_ITEM:
-                self._pulled += 1
-                return [item], self._pulled >= items
+        items = reader.items
+        if size == 1 and items is not None and not reader.has_pending and reader.pulled < items:
+            item = reader.next_fast()  # the common case: one micro-batch per step, a sized loader
+            if item is not NO_ITEM:
+                return [item], reader.pulled >= items
             # ran dry before len(): the general path below finds it exhausted, warns and ends the epoch
         if items is not None:
-            size = min(size, items - self._pulled)
+            size = min(size, items - reader.pulled)
         window: list[Any] = []
         exhausted = False
         while len(window) < size:
-            item = self._take(iterator)
-            if item is _NO_ITEM:
+            item = reader.take()
+            if item is NO_ITEM:
                 exhausted = True
                 break
             window.append(item)
         if items is not None:
-            if exhausted and items > self._pulled:
+            if exhausted and items > reader.pulled:
                 warnings.warn(
                     f"StepScheduler: the dataloader reported len() == {items} but epoch {self.epoch} ended after "
-                    f"{self._pulled} micro-batches",
+                    f"{reader.pulled} micro-batches",
                     RuntimeWarning,
                     stacklevel=3,
                 )
-            is_last = exhausted or self._pulled >= items
+            is_last = exhausted or reader.pulled >= items
         else:
             if not exhausted:  # peek one micro-batch: is there a next window?
-                if self._stateful_loader:  # the loader's state at the window's end, before it counts the peek
-                    state = {"num_workers": self.dataloader.num_workers, "state": self.dataloader.state_dict()}
-                    self._state_before_lookahead = (self._pulled, copy.deepcopy(state))
-                peeked = next(iterator, _NO_ITEM)
-                exhausted = peeked is _NO_ITEM
-                self._pending = peeked
+                exhausted = reader.peek_exhausted()
             is_last = exhausted
         if self.synchronized_stream:
             window, is_last = self._agree_on_window(window, is_last)
-        if not window and self._pulled == self._position == 0 and not self.synchronized_stream:
+        if not window and reader.pulled == self._position == 0 and not self.synchronized_stream:
             raise ValueError(f"StepScheduler: the dataloader yielded no micro-batches in epoch {self.epoch}")
         return window, is_last
 
@@ -738,11 +607,10 @@ class StepScheduler:
         if self._open:
             raise RuntimeError("StepScheduler.set_epoch(): a window is open; call finish_step() first")
         if epoch != self.epoch:
-            self.epoch, self._position, self._epoch_rng, self._epoch_done = epoch, 0, None, False
-            self._replay, self._loader_state = None, None
-            self._drop_iterator()
+            self.epoch, self._position, self._epoch_done, self._replay = epoch, 0, False, None
+            self._reader.new_epoch()
         if self.dataloader is not None:
-            for part in _loader_parts(self.dataloader):
+            for part in loader_parts(self.dataloader):
                 set_epoch = getattr(part, "set_epoch", None)
                 if callable(set_epoch):
                     set_epoch(epoch)
@@ -781,29 +649,12 @@ class StepScheduler:
         if epoch_done and closed:
             return self.epoch + 1, 0, None
         if self._provisional:
-            return self.epoch, self._pulled, self._epoch_rng
-        return self.epoch, self._position, self._epoch_rng
+            return self.epoch, self._reader.pulled, self._reader.epoch_rng
+        return self.epoch, self._position, self._reader.epoch_rng
 
     def _loader_entry(self, position: int) -> dict[str, Any] | None:
-        """A StatefulDataLoader's state after exactly ``position`` micro-batches of the current epoch.
-
-        The loader's ``state_dict()`` counts the batches it has yielded (its workers' prefetch
-        is not counted). Those are the consumed ones unless the scheduler looked one ahead
-        (a loader without ``len()``); for that case the state from before the look-ahead was
-        kept. None at an epoch's start (a fresh iterator then starts the epoch, as in an
-        uninterrupted run) and while a window is open (a state in the middle of a step).
-        """
-        if not self._stateful_loader or position == 0:
-            return None
-        if self._iterator is None:  # nothing read since load_state_dict(): the loaded state still holds
-            held = self._loader_state
-            return held if held is not None and position == self._position else None
-        if self._pulled == position and self._pending is _NO_ITEM:
-            return {"num_workers": self.dataloader.num_workers, "state": self.dataloader.state_dict()}
-        before = self._state_before_lookahead
-        if before is not None and before[0] == position:
-            return before[1]
-        return None
+        """A StatefulDataLoader's state after exactly ``position`` micro-batches (see EpochReader.loader_entry)."""
+        return self._reader.loader_entry(position, self._position)
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: ``step``, ``epoch``, ``position`` (micro-batches into the epoch), the
@@ -847,11 +698,9 @@ class StepScheduler:
             )
         for key in ("step", "epoch", "position"):
             _check_int("StepScheduler.load_state_dict", key, state[key], 0)
-        loader_state = self._check_loader_entry(state.get("loader"))
-        rng = state.get("epoch_rng")
+        loader_state = self._reader.check_loader_entry(state.get("loader"), "StepScheduler.load_state_dict")
         self.step, self.epoch, self._position = int(state["step"]), int(state["epoch"]), int(state["position"])
-        self._epoch_rng = None if rng is None else {"torch": rng["torch"], "generators": list(rng["generators"])}
-        self._loader_state = loader_state if self._position > 0 else None
+        self._reader.load(state.get("epoch_rng"), loader_state, self._position)
         self.stream_exhausted = bool(state.get("stream_exhausted", False))
         self._epoch_done, self._replay, self._window, self._window_is_last, self._boundary = (
             False,
@@ -860,32 +709,6 @@ class StepScheduler:
             False,
             None,
         )
-        self._drop_iterator()
-
-    def _check_loader_entry(self, entry: Any) -> dict[str, Any] | None:
-        """A saved StatefulDataLoader state (``state["loader"]``), checked against this scheduler's loader."""
-        owner = "StepScheduler.load_state_dict"
-        if entry is None:
-            return None
-        if not isinstance(entry, Mapping) or not isinstance(entry.get("state"), Mapping):
-            got = f"a {type(entry).__name__}" if not isinstance(entry, Mapping) else f"keys {sorted(map(str, entry))}"
-            raise ValueError(
-                f"{owner}: state['loader'] must be None or a dict with the loader's 'state' dict and its "
-                f"'num_workers' (got {got})"
-            )
-        workers = entry.get("num_workers")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-            raise ValueError(f"{owner}: state['loader']['num_workers'] must be an int >= 0 (got {workers!r})")
-        if not self._stateful_loader:
-            return None  # another kind of loader now: the position and the epoch's RNG state resume it
-        live = self.dataloader.num_workers
-        if workers != live:
-            raise ValueError(
-                f"{owner}: the checkpoint's {type(self.dataloader).__qualname__} state was saved with "
-                f"num_workers={workers}, but this loader has num_workers={live}; torchdata restores a loader's "
-                f"state only into one with as many workers: build it with num_workers={workers} to resume"
-            )
-        return {"num_workers": workers, "state": dict(entry["state"])}
 
     def _seed_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The seed's ``{"step", "epoch"}``: the start of that epoch's data, counters at ``step``."""

@@ -1,0 +1,291 @@
+"""EpochReader: one epoch of a loader, read from a position, and what a checkpoint needs to come back.
+
+The step scheduler decides which micro-batches form a step; this class owns where
+the data stands. It opens an epoch's iterator (fresh at position 0, from a torchdata
+StatefulDataLoader's own saved state, or through a :class:`~nvtrain.data_cursor.DataCursor`
+under the epoch's saved random state, which starts at the first unconsumed sample),
+counts the micro-batches taken, peeks one ahead for a loader without ``len()``, and
+answers what a checkpoint must hold to resume here: the epoch's RNG state and, for a
+StatefulDataLoader, its ``state_dict()`` after exactly the consumed micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from nvtrain.data_cursor import DataCursor, is_stateful_dataloader
+
+__all__ = ["NO_ITEM", "EpochReader", "loader_generators", "loader_len", "loader_parts"]
+
+#: What :meth:`EpochReader.take` returns once the epoch's iterator is exhausted.
+NO_ITEM: Any = object()
+
+
+def loader_len(loader: Any) -> int | None:
+    """``len(loader)``, or None for a loader without one (or one that refuses, as an IterableDataset's)."""
+    try:
+        return len(loader)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def loader_parts(loader: Any) -> list[Any]:
+    """The loader and the objects behind it that may carry per-epoch state, each once."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    candidates = [
+        loader,
+        getattr(loader, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+        getattr(loader, "dataset", None),
+        getattr(loader, "collate_fn", None),
+    ]
+    parts: list[Any] = []
+    for part in candidates:
+        if part is not None and all(part is not seen for seen in parts):
+            parts.append(part)
+    return parts
+
+
+def loader_generators(loader: Any) -> dict[str, torch.Generator]:
+    """The ``torch.Generator`` objects a new iterator of ``loader`` may draw from, by attribute path, each once.
+
+    The one place that knows where a loader keeps its generators: the checkpoint's RNG
+    state keys them by these paths, and the epoch's RNG state lists them in this order.
+    """
+    found: dict[str, torch.Generator] = {}
+    if loader is None:
+        return found
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    candidates = {
+        "loader.generator": getattr(loader, "generator", None),
+        "loader.sampler.generator": getattr(getattr(loader, "sampler", None), "generator", None),
+        "loader.batch_sampler.generator": getattr(batch_sampler, "generator", None),
+        "loader.batch_sampler.sampler.generator": getattr(getattr(batch_sampler, "sampler", None), "generator", None),
+    }
+    for path, generator in candidates.items():
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found.values()):
+            found[path] = generator
+    return found
+
+
+def _capture_rng(generators: Sequence[torch.Generator]) -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
+
+
+def _restore_rng(state: Mapping[str, Any], generators: Sequence[torch.Generator]) -> None:
+    saved = list(state.get("generators", []))
+    if len(saved) != len(generators):
+        raise ValueError(
+            f"StepScheduler: the saved epoch RNG holds {len(saved)} sampler/loader generator state(s) but the "
+            f"dataloader has {len(generators)} generator(s); build the loader the same way as the saved run"
+        )
+    torch.set_rng_state(state["torch"])
+    for generator, generator_state in zip(generators, saved, strict=True):
+        generator.set_state(generator_state)
+
+
+class EpochReader:
+    """Reads the current epoch of ``loader`` for a step scheduler, from the position it is told.
+
+    ``pulled`` counts the micro-batches taken from the live iterator (a peeked one not
+    included); ``items`` is the epoch's length when the loader has one (None for a
+    synchronized stream, which is read until some rank runs dry).
+    """
+
+    __slots__ = (
+        "_iterator",
+        "_loaded_state",
+        "_pending",
+        "_state_before_lookahead",
+        "epoch_rng",
+        "items",
+        "loader",
+        "pulled",
+        "sized",
+        "stateful",
+    )
+
+    def __init__(self, loader: Any, *, sized: bool = True) -> None:
+        self.loader = loader
+        #: A torchdata StatefulDataLoader: its own state_dict() is saved and restored.
+        self.stateful = loader is not None and is_stateful_dataloader(loader)
+        #: Whether the epoch's length comes from ``len(loader)`` (False: a synchronized stream).
+        self.sized = sized
+        #: The global and the loader's random states when the epoch's iterator was made (position 0).
+        self.epoch_rng: dict[str, Any] | None = None
+        self._loaded_state: dict[str, Any] | None = None  # a StatefulDataLoader state to resume from
+        self._iterator: Iterator[Any] | None = None
+        self._pending: Any = NO_ITEM
+        self.pulled = 0
+        self.items: int | None = None
+        self._state_before_lookahead: tuple[int, dict[str, Any]] | None = None  # (pulled, loader state)
+
+    # -- the epoch's iterator ------------------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return self._iterator is not None
+
+    @property
+    def has_pending(self) -> bool:
+        """Is a peeked micro-batch waiting (a loader without ``len()``)?"""
+        return self._pending is not NO_ITEM
+
+    def open(self, position: int, epoch: int) -> Iterator[Any]:
+        """The iterator of ``epoch`` that yields micro-batch ``position`` first (nothing before it is read)."""
+        loader = self.loader
+        generators = list(loader_generators(loader).values())
+        if position == 0:
+            self.epoch_rng = _capture_rng(generators)
+            iterator = iter(loader)
+        elif self._loaded_state is not None:  # a StatefulDataLoader continues from its own saved state
+            iterator = self._resume_stateful(self._loaded_state, generators, position, epoch)
+        else:
+            now = _capture_rng(generators)
+            if self.epoch_rng is None:
+                warnings.warn(
+                    f"StepScheduler: resuming epoch {epoch} at micro-batch {position} without the epoch's "
+                    "RNG state; a shuffling loader will not replay the saved order",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            else:
+                _restore_rng(self.epoch_rng, generators)
+            try:  # without reading the consumed micro-batches where the loader allows it
+                iterator = DataCursor(loader).open(position, epoch)
+            finally:
+                _restore_rng(now, generators)
+        self._iterator, self._pending, self.pulled = iterator, NO_ITEM, position
+        self.items = loader_len(loader) if self.sized else None
+        return iterator
+
+    def _resume_stateful(
+        self, saved: dict[str, Any], generators: Sequence[torch.Generator], position: int, epoch: int
+    ) -> Iterator[Any]:
+        """``loader.load_state_dict(saved)``, then its iterator; the random state is left as it was.
+
+        The new iterator's draws (its base seed, the sampler's first permutation) are replaced
+        by the saved state; the global RNG and the loader's generators keep the save moment's
+        state, which the checkpoint restored, so later draws (dropout) match the uninterrupted run.
+        """
+        loader = self.loader
+        now = _capture_rng(generators)
+        try:
+            loader.load_state_dict(saved["state"])
+            iterator: Iterator[Any] = iter(loader)
+        except Exception as err:
+            err.add_note(
+                f"while restoring the {type(loader).__qualname__} state saved after micro-batch {position} "
+                f"of epoch {epoch}"
+            )
+            raise
+        finally:
+            _restore_rng(now, generators)
+        self._loaded_state = None
+        return iterator
+
+    def next_fast(self) -> Any:
+        """The next micro-batch straight from the iterator (no peeked one pending), or :data:`NO_ITEM`."""
+        assert self._iterator is not None
+        item = next(self._iterator, NO_ITEM)
+        if item is not NO_ITEM:
+            self.pulled += 1
+        return item
+
+    def take(self) -> Any:
+        """The next micro-batch (a peeked one first), or :data:`NO_ITEM` at the epoch's end."""
+        if self._pending is not NO_ITEM:
+            item, self._pending = self._pending, NO_ITEM
+            self.pulled += 1
+            return item
+        return self.next_fast()
+
+    def peek_exhausted(self) -> bool:
+        """Peek one micro-batch ahead (kept for :meth:`take`); True when the epoch has none left.
+
+        For a StatefulDataLoader the loader's state is kept first: the state after the
+        consumed micro-batches, before the loader counts the peeked one.
+        """
+        assert self._iterator is not None
+        if self.stateful:
+            self._state_before_lookahead = (self.pulled, copy.deepcopy(self._current_loader_state()))
+        peeked = next(self._iterator, NO_ITEM)
+        self._pending = peeked
+        return peeked is NO_ITEM
+
+    def drop(self) -> None:
+        """Forget the live iterator (the epoch changes, or a state is loaded)."""
+        self._iterator, self._pending, self.pulled, self.items = None, NO_ITEM, 0, None
+        self._state_before_lookahead = None
+
+    def new_epoch(self) -> None:
+        """Start the next epoch from its first micro-batch: nothing of this one's resume state is kept."""
+        self.epoch_rng = None
+        self._loaded_state = None
+        self.drop()
+
+    # -- what a checkpoint holds --------------------------------------------------------------------
+
+    def _current_loader_state(self) -> dict[str, Any]:
+        return {"num_workers": self.loader.num_workers, "state": self.loader.state_dict()}
+
+    def loader_entry(self, position: int, closed_position: int) -> dict[str, Any] | None:
+        """A StatefulDataLoader's state after exactly ``position`` micro-batches of the current epoch.
+
+        The loader's ``state_dict()`` counts the batches it has yielded (its workers' prefetch
+        is not counted). Those are the consumed ones unless the reader looked one ahead
+        (a loader without ``len()``); for that case the state from before the look-ahead was
+        kept. None at an epoch's start (a fresh iterator then starts the epoch, as in an
+        uninterrupted run) and in the middle of a step. ``closed_position`` is where the
+        scheduler's closed windows end (a loaded state still holds there until read from).
+        """
+        if not self.stateful or position == 0:
+            return None
+        if self._iterator is None:  # nothing read since the state was loaded: it still holds
+            held = self._loaded_state
+            return held if held is not None and position == closed_position else None
+        if self.pulled == position and self._pending is NO_ITEM:
+            return self._current_loader_state()
+        before = self._state_before_lookahead
+        if before is not None and before[0] == position:
+            return before[1]
+        return None
+
+    def load(self, epoch_rng: Mapping[str, Any] | None, loader_entry: dict[str, Any] | None, position: int) -> None:
+        """Resume at ``position`` with the epoch's RNG state and the loader's own state (as
+        :meth:`check_loader_entry` returned it)."""
+        self.epoch_rng = (
+            None if epoch_rng is None else {"torch": epoch_rng["torch"], "generators": list(epoch_rng["generators"])}
+        )
+        self._loaded_state = loader_entry if position > 0 else None
+        self.drop()
+
+    def check_loader_entry(self, entry: Any, owner: str) -> dict[str, Any] | None:
+        """A saved StatefulDataLoader state (``state["loader"]``), checked against this reader's loader."""
+        if entry is None:
+            return None
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("state"), Mapping):
+            got = f"a {type(entry).__name__}" if not isinstance(entry, Mapping) else f"keys {sorted(map(str, entry))}"
+            raise ValueError(
+                f"{owner}: state['loader'] must be None or a dict with the loader's 'state' dict and its "
+                f"'num_workers' (got {got})"
+            )
+        workers = entry.get("num_workers")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"{owner}: state['loader']['num_workers'] must be an int >= 0 (got {workers!r})")
+        if not self.stateful:
+            return None  # another kind of loader now: the position and the epoch's RNG state resume it
+        live = self.loader.num_workers
+        if workers != live:
+            raise ValueError(
+                f"{owner}: the checkpoint's {type(self.loader).__qualname__} state was saved with "
+                f"num_workers={workers}, but this loader has num_workers={live}; torchdata restores a loader's "
+                f"state only into one with as many workers: build it with num_workers={workers} to resume"
+            )
+        return {"num_workers": workers, "state": dict(entry["state"])}
