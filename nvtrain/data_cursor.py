@@ -204,6 +204,14 @@ def _shadow_index_sampler(loader: DataLoader[Any]) -> tuple[Any, torch.Generator
     return shadow_batches, replica, real
 
 
+def is_torchdata_class(obj: Any, name: str) -> bool:
+    """Whether ``obj`` is exactly torchdata's stateful-loader class ``name`` (its own RandomSampler or
+    BatchSampler, say), decided from names so that torchdata stays optional."""
+    prefix = _STATEFUL_LOADER[0]
+    module = type(obj).__module__ or ""
+    return type(obj).__name__ == name and (module == prefix or module.startswith(prefix + "."))
+
+
 def is_stateful_dataloader(loader: Any) -> bool:
     """Whether ``loader`` is a torchdata ``StatefulDataLoader`` (or a subclass) that can save its position.
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from nvtrain.data_cursor import is_torchdata_class
 from nvtrain.distributed import TorchrunEnv, default_backend
 from nvtrain.validators import FieldTypeError, refused
 
@@ -252,11 +253,16 @@ def unsupported_reason(loader: Any) -> str | None:
         return f"it is a {type(loader).__name__}, not a torch DataLoader"
     if isinstance(loader.dataset, IterableDataset):
         return "its dataset is an IterableDataset, which has no sampler"
-    if loader.batch_sampler is not None and (
-        loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler
-    ):
-        return f"it has a custom batch_sampler ({type(loader.batch_sampler).__name__})"
+    batch_sampler = loader.batch_sampler
+    plain = type(batch_sampler) is BatchSampler or is_torchdata_class(batch_sampler, "BatchSampler")
+    if batch_sampler is not None and (loader.batch_size is None or not plain):
+        return f"it has a custom batch_sampler ({type(batch_sampler).__name__})"
     return None
+
+
+def _shuffles(sampler: Any) -> bool:
+    """A random sampler: torch's RandomSampler, or torchdata's (a StatefulDataLoader built with shuffle=True)."""
+    return isinstance(sampler, RandomSampler) or is_torchdata_class(sampler, "RandomSampler")
 
 
 def _accepted_keywords(factory: Callable[..., Any]) -> frozenset[str]:
@@ -282,14 +288,15 @@ def distributed_loader(
     """``loader`` rebuilt with ``sampler_cls(dataset, **kwargs)``.
 
     ``num_replicas`` and ``rank`` come from the process group, ``shuffle`` from
-    whether the loader's sampler is a RandomSampler, ``drop_last`` from the loader,
+    whether the loader's sampler is a random one (torch's RandomSampler, or torchdata's in a
+    StatefulDataLoader built with ``shuffle=True``), ``drop_last`` from the loader,
     ``seed`` is 0 (equal on every rank, as it must be); each only when the sampler
     accepts the keyword, and ``sampler_kwargs`` override them.
     """
     inferred = {
         "num_replicas": world_size,
         "rank": rank,
-        "shuffle": isinstance(loader.sampler, RandomSampler),
+        "shuffle": _shuffles(loader.sampler),
         "seed": 0,
         "drop_last": loader.drop_last,
     }
@@ -321,6 +328,8 @@ def rebuild_loader(loader: DataLoader[Any], sampler: Any, *, owner: str = "nvtra
         kwargs["prefetch_factor"] = loader.prefetch_factor
     if hasattr(loader, "in_order"):
         kwargs["in_order"] = loader.in_order
+    if hasattr(loader, "snapshot_every_n_steps"):  # torchdata's StatefulDataLoader
+        kwargs["snapshot_every_n_steps"] = loader.snapshot_every_n_steps
     cls = type(loader)
     try:
         return cls(**kwargs)

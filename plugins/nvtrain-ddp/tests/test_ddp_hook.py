@@ -277,6 +277,20 @@ def test_sampler_is_injected_with_the_loader_arguments_kept() -> None:
 
 
 @pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_stateful_dataloader_is_rebuilt_as_one_with_a_distributed_sampler(shuffle: bool) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    loader = stateful.StatefulDataLoader(make_loader().dataset, batch_size=4, shuffle=shuffle, snapshot_every_n_steps=3)
+    with make_strategy(DDPHook()) as strategy:
+        strategy.setup(loader)
+        injected = strategy.ctx.train_loader
+    assert type(injected) is stateful.StatefulDataLoader and injected is not loader
+    assert isinstance(injected.sampler, DistributedSampler)
+    assert injected.sampler.shuffle is shuffle  # torchdata's own RandomSampler means shuffle=True
+    assert injected.snapshot_every_n_steps == 3 and injected.batch_size == 4
+
+
+@pytest.mark.usefixtures("world_of_one")
 def test_sequential_loader_gets_an_unshuffled_sampler_and_user_kwargs_win() -> None:
     hook = DDPHook(sampler_kwargs={"seed": 7, "drop_last": True})
     with make_strategy(hook) as strategy:
