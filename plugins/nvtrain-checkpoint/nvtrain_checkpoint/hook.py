@@ -18,7 +18,7 @@ import nvtrain
 from nvtrain.hook import DEFAULT_PRIORITY
 from nvtrain.state import capture_rng_state, capture_state, load_state, strategy_hooks
 from nvtrain.validators import FieldTypeError, optional_int_at_least, refused, strict_bool, strict_int
-from nvtrain_checkpoint import storage
+from nvtrain_checkpoint import sharded, storage
 from nvtrain_checkpoint.snapshot import snapshot
 from nvtrain_checkpoint.writer import BackgroundWriter
 
@@ -94,6 +94,8 @@ class CheckpointHook:
     _root: Path | None = attrs.field(init=False, default=None, repr=False)
     #: The resume decision, made once (``resume_checkpoint``) so its warnings print once.
     _resume_choice: tuple[Any, Path | None] | None = attrs.field(init=False, default=None, repr=False)
+    #: Saves of models sharded with FSDP (DTensor parameters): one DCP checkpoint written by every rank.
+    _sharded: sharded.ShardedSaver = attrs.field(init=False, factory=sharded.ShardedSaver, repr=False)
 
     @property
     def last_saved(self) -> tuple[int, Path] | None:
@@ -109,6 +111,48 @@ class CheckpointHook:
     def read_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Read and verify the state at ``path`` (a ``step_<N>`` directory or a checkpoint root)."""
         return storage.read_checkpoint(path)
+
+    def load_into(
+        self,
+        strategy: nvtrain.TrainingStrategy,
+        checkpoint: str | os.PathLike[str] | None = None,
+        *,
+        data_position: bool = True,
+    ) -> Path:
+        """Restore ``checkpoint`` (default: the latest under ``checkpoint_dir``) into a set-up ``strategy`` now.
+
+        A sharded checkpoint reshards its weights and optimizer state to this job's ranks.
+        ``data_position=False`` leaves out the step scheduler's data position: the way to go on
+        with another number of ranks (its samplers differ), starting the saved epoch's data anew.
+        Every rank calls it. Returns the checkpoint directory.
+        """
+        if not strategy.is_set_up:
+            raise RuntimeError(
+                "CheckpointHook.load_into: set the strategy up first (strategy.setup(train_loader)), so the models "
+                "are sharded and the optimizers exist"
+            )
+        root = self.checkpoint_dir if checkpoint is None else checkpoint
+        directory = storage.resolve_checkpoint(root)
+        storage.verify_checkpoint(directory)
+        source = f"checkpoint {str(directory)!r}"
+        if sharded.is_sharded_checkpoint(directory):
+            sharded.load_sharded(strategy, directory, data_position=data_position, source=source)
+        else:
+            state = self.read_checkpoint(directory)
+            load_state(strategy, {**state, "scheduler": None} if not data_position else state, source=source)
+        return directory
+
+    def export(
+        self, path: str | os.PathLike[str], checkpoint: str | os.PathLike[str] | None = None, model_key: str | None = None
+    ) -> Path:
+        """Write one model's weights as one plain ``state_dict`` file, for inference.
+
+        From ``checkpoint`` (a checkpoint directory or root; default: the latest under
+        ``checkpoint_dir``), sharded or not: a sharded one is consolidated into full tensors
+        in this process. ``model_key`` may be left out when there is one model. The file loads
+        with ``torch.load(path, weights_only=True)`` into the plain model.
+        """
+        return sharded.export_weights(self.checkpoint_dir if checkpoint is None else checkpoint, path, model_key)
 
     def read_manifest(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """The manifest of the checkpoint at ``path``: step, epoch, versions, ``healthy``, ``run_config``."""
@@ -134,8 +178,11 @@ class CheckpointHook:
             return  # restored already (load_checkpoint) or a second run(): the in-memory state is current
         path = self._resume_path(ctx)
         if path is not None:
-            state = self.read_checkpoint(path)
-            load_state(ctx.strategy, state, source=f"checkpoint {str(path)!r}")  # type: ignore[arg-type]
+            if sharded.is_sharded_checkpoint(path):  # written by FSDP ranks: loads on any number of ranks
+                sharded.load_sharded(ctx.strategy, Path(path))  # type: ignore[arg-type]
+            else:
+                state = self.read_checkpoint(path)
+                load_state(ctx.strategy, state, source=f"checkpoint {str(path)!r}")  # type: ignore[arg-type]
             self._saved_step = ctx.step_count
             self.last_checkpoint_index = ctx.step_count
             self._last_saved = (ctx.step_count, Path(path))
@@ -180,8 +227,7 @@ class CheckpointHook:
         """Save unsaved progress (a preempted or finished run), then wait until it is on disk."""
         if ctx.step_count > 0:
             self._save(ctx)
-        if self._writes(ctx):
-            self._writer.wait()
+        self._writer.wait()  # idle unless this rank writes (every rank does for sharded checkpoints)
         if self.rank_zero_only and _distributed(ctx):
             torch.distributed.barrier()
             if not self._writes(ctx) and self._saved_step is not None:
@@ -195,6 +241,7 @@ class CheckpointHook:
         """Flush and stop the background thread (the strategy calls this on exit, also after an error)."""
         self._reusable = None
         self._writer.close()
+        self._sharded.close()
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -206,6 +253,20 @@ class CheckpointHook:
         if step == self._saved_step:
             return
         self._saved_step = step
+        if sharded.models_are_sharded(ctx):
+            self._writer.wait()  # this rank's part of the previous save is complete before the next
+            self._sharded.save(
+                ctx,
+                self.checkpoint_dir,
+                step,
+                self._metadata(ctx),
+                keep_last_n=self.keep_last_n,
+                async_save=self.async_save,
+                rank_zero_only=self.rank_zero_only,
+                submit=self._writer.submit,
+                on_published=functools.partial(self._written, step),
+            )
+            return
         writes = self._writes(ctx)
         if writes:
             self._writer.wait()  # the previous write is complete (or its error surfaces) before the next

@@ -295,7 +295,10 @@ def verify_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
-    verify_file(directory / STATE_NAME, manifest["files"][STATE_NAME])
+    for name, entry in manifest["files"].items():  # state.pt, and a sharded checkpoint's shards
+        if not isinstance(entry, dict) or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{directory / MANIFEST_NAME} lists {name!r}, which is not a file of the checkpoint")
+        verify_file(directory / name, entry)
     return manifest
 
 
@@ -440,6 +443,12 @@ def read_checkpoint(path: str | os.PathLike[str], rank: int | None = None) -> di
 
     directory = resolve_checkpoint(path, rank)
     manifest = read_manifest(directory)
+    if isinstance(manifest.get("sharded"), dict):
+        raise CheckpointError(
+            f"{directory} is a sharded checkpoint (written by {manifest['sharded'].get('world_size')} FSDP ranks): "
+            "its weights are not in one state file. Resume it with CheckpointHook(resume=...) on any number of "
+            "ranks, or write one plain weights file with CheckpointHook.export(path) / nvtrain_checkpoint.export_weights"
+        )
     state_file = directory / STATE_NAME
     verify_file(state_file, manifest["files"][STATE_NAME])
     state = load_state_file(state_file)

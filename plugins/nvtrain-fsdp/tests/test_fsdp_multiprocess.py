@@ -8,6 +8,7 @@ scenarios in turn, since starting processes dominates the time.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -198,7 +199,8 @@ def test_bf16_mixed_precision_keeps_fp32_shards_and_outputs(suite: Path) -> None
     ), "bf16 compute should differ from fp32 somewhere"
 
 
-#: The built-in digits job, small, with FSDP (and EMA: its average of the sharded model validates).
+#: The built-in digits job, small, with FSDP (and EMA: its average of the sharded model validates; and
+#: checkpoints: sharded, with the EMA's shards in them).
 JOB = """\
 name: digits-fsdp
 device: cpu
@@ -209,6 +211,7 @@ logging: {progress_bar: false, tensorboard: false, plot: false, log_every_n_step
 hooks:
   - {name: fsdp, shard_classes: [Linear]}
   - {name: ema, decay: 0.9}
+  - {name: checkpoint, async_save: true}
 """
 
 
@@ -227,3 +230,11 @@ def test_nvtrain_train_under_torchrun_shards_with_hooks_fsdp(tmp_path: Path) -> 
     steps = [int(row.split(",")[0]) for row in rows[1:] if row.split(",")[header.index("train_loss")]]
     assert steps == [4, 8]  # rank 0 alone writes the metrics
     assert "val_ema_loss" in header
+    checkpoint = run / "checkpoints" / "step_8"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_8"
+    manifest = json.loads((checkpoint / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["sharded"]["world_size"] == 2  # the model was sharded: every rank wrote its shards
+    assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp"} <= set(manifest["files"])
+    rest = torch.load(checkpoint / "state.pt", weights_only=True)
+    averaged = rest["hooks"]["ema:main"]["averaged"]  # the EMA's shards went to the DCP part, marked here
+    assert [key for key, value in averaged.items() if isinstance(value, dict) and "__nvtrain_sharded__" in value]
