@@ -34,7 +34,14 @@ parameters), ``small`` MLP 256->1024->256 batch 64 (launch-bound), ``tiny``
    (after every other), except on checkpoint steps, which copy the state to the
    host by design. (The warm-up step before ``run()`` is not guarded.)
 
-Exit status: 0 passed or skipped, 1 a synchronisation was found.
+Then, on CUDA with the nvtrain-fsdp plugin installed (``--no-fsdp`` leaves it out),
+**FSDP on one rank**: a one-process NCCL group, the first model trained with the
+standard stack under ``FSDPHook(param_dtype="bf16")`` against the same stack
+without it (per step, round-robin), and one checked run: the parameters are
+DTensor shards, the run writes a sharded checkpoint, and its consolidated export
+equals the gathered weights.
+
+Exit status: 0 passed or skipped, 1 a synchronisation was found or the FSDP check failed.
 """
 
 from __future__ import annotations
@@ -471,6 +478,74 @@ def check_no_sync(spec: MLPSpec, device: torch.device, steps: int, every: int, d
     return {"guarded_steps": guard.guarded_steps, "synchronisations": 0}
 
 
+def fsdp_one_rank(
+    spec: MLPSpec, device: torch.device, steps: int, rounds: int, every: int, directory: Path
+) -> dict[str, Any]:
+    """The standard stack sharded by FSDPHook in a one-process group (NCCL on CUDA, gloo on the CPU).
+
+    Per step against the same stack without FSDP (round-robin), then one run that checks the
+    parameters are DTensors, a sharded checkpoint was written, and its export equals the weights.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return {"skipped": "a process group exists already"}
+    cuda = device.type == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    options: dict[str, Any] = {"device_id": device} if cuda else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
+    try:
+        param_dtype = "bf16" if cuda else None
+        batches = make_batches(spec, steps, device=device)
+        timings = measure(
+            {
+                "standard stack": strategy_workload(
+                    spec, batches, lambda: standard_stack("bf16" if cuda else "fp32"), device=device
+                ),
+                "standard stack, FSDP": strategy_workload(
+                    spec,
+                    batches,
+                    lambda: [plugins.load("fsdp", param_dtype=param_dtype), *standard_stack("fp32")],
+                    device=device,
+                ),
+            },
+            rounds=rounds,
+        )
+        root = directory / "fsdp"
+        saves = {"checkpoint_dir": root, "step_interval": every}
+        checked = [plugins.load("fsdp", param_dtype=param_dtype), *standard_stack("fp32", saves)]
+        workload = strategy_workload(spec, batches, lambda: checked, device=device)
+        strategy = workload.prepare()
+        try:
+            workload.run(strategy)
+            model = strategy.ctx.models["main"]
+            sharded = all(type(p).__name__ == "DTensor" for p in model.parameters())
+            weights = {
+                name: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().cpu()
+                for name, value in model.state_dict().items()
+            }
+        finally:
+            strategy.close()
+        latest = root / (root / "latest").read_text(encoding="utf-8").strip()
+        manifest = json.loads((latest / "manifest.json").read_text(encoding="utf-8"))
+        exported = torch.load(checked[-1].export(directory / "fsdp-export.pt"), weights_only=True)  # type: ignore[attr-defined]
+        export_equal = sorted(exported) == sorted(weights) and all(
+            torch.equal(exported[name], value) for name, value in weights.items()
+        )
+    finally:
+        dist.destroy_process_group()
+    return {
+        "backend": backend,
+        "param_dtype": param_dtype or "float32",
+        "per_step": _per_step(timings),
+        "ratio_fsdp_vs_plain": ratio(timings["standard stack, FSDP"], timings["standard stack"]).to_dict(),
+        "sharded_parameters": sharded,
+        "checkpoint": {"step": manifest["step"], "sharded": manifest.get("sharded"), "files": len(manifest["files"])},
+        "export_equals_weights": export_equal,
+        "passed": sharded and isinstance(manifest.get("sharded"), dict) and export_equal,
+    }
+
+
 # -- the report ---------------------------------------------------------------------------------------
 
 
@@ -534,6 +609,20 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"    async: too few steps during a write to compare ({during})")
         if "sync_check" in model:
             print(f"  sync check: {model['sync_check']}")
+    fsdp = report.get("fsdp")
+    if fsdp is not None:
+        if "skipped" in fsdp:
+            print(f"fsdp, one rank: skipped: {fsdp['skipped']}")
+        else:
+            print(f"fsdp, one rank ({fsdp['backend']}, param_dtype {fsdp['param_dtype']}, model {fsdp['model']}):")
+            for name, figures in fsdp["per_step"].items():
+                print(f"    {name:36s} {figures['median_us']:10.1f} us/step (min {figures['min_us']:.1f})")
+            print(f"    FSDP / plain:                      {_ratio_text(fsdp['ratio_fsdp_vs_plain'])}")
+            print(
+                f"    DTensor parameters {fsdp['sharded_parameters']}, sharded checkpoint at step "
+                f"{fsdp['checkpoint']['step']} ({fsdp['checkpoint']['files']} files), export equals the weights "
+                f"{fsdp['export_equals_weights']}: {'passed' if fsdp['passed'] else 'FAILED'}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -553,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         default=CHECKPOINT_EVERY,
         help=f"steps between saves (default {CHECKPOINT_EVERY}; at most half the steps)",
     )
+    parser.add_argument("--no-fsdp", action="store_true", help="leave out the one-rank FSDP case (CUDA only)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--json-out", type=Path, help="also write the report as JSON to this file")
     args = parser.parse_args(argv)
@@ -582,6 +672,15 @@ def main(argv: list[str] | None = None) -> int:
                     status = 1
             model["loop"] = loop_cost(spec, device, args.steps, args.rounds)
             model["checkpoint"] = checkpoint_cost(spec, device, args.steps, args.rounds, every, directory / label)
+        if device.type == "cuda" and not args.no_fsdp:
+            label = (args.model or ["gpu"])[0]
+            if not any(info.name == "fsdp" for info in plugins.available()):
+                report["fsdp"] = {"skipped": "the nvtrain-fsdp plugin is not installed"}
+            else:
+                fsdp = fsdp_one_rank(MODELS[label], device, args.steps, args.rounds, every, directory / "fsdp-check")
+                report["fsdp"] = {"model": label, **fsdp}
+                if fsdp.get("passed") is False:
+                    status = 1
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(directory)

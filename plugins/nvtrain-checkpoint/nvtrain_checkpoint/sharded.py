@@ -421,7 +421,7 @@ class ShardedSaver:
 
 
 def _finish(
-    saved: Metadata,
+    _: Metadata,
     *,
     group: Any,
     root: Path,
@@ -434,9 +434,12 @@ def _finish(
     """After every rank's shards are on disk: digests (each rank hashes a share), then rank 0 publishes."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     directory = tmp / SHARDED_DIR
+    # The index as the coordinator wrote it: the Metadata dcp.save returns has no storage_data on
+    # some torch releases (seen with torch 2.11 and NCCL), the file always has it.
+    written = read_dcp_metadata(directory / METADATA_NAME)
     mine = {
         f"{SHARDED_DIR}/{name}": _sha256(directory / name)
-        for index, name in enumerate(_data_files(saved))
+        for index, name in enumerate(_data_files(written))
         if index % world_size == rank
     }
     gathered: list[Any] = [None] * world_size
