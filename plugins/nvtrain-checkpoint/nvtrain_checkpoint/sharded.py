@@ -35,6 +35,7 @@ import io
 import os
 import pickle
 import shutil
+import sys
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -44,18 +45,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.tensor import DTensor
 
 from nvtrain.errors import ResumeError
 from nvtrain.state import (
@@ -71,8 +60,14 @@ from nvtrain_checkpoint import storage
 from nvtrain_checkpoint.snapshot import snapshot
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import Metadata
+
     from nvtrain.context import TrainingContext
     from nvtrain.strategy import TrainingStrategy
+
+# torch.distributed.checkpoint and torch.distributed.tensor cost most of a second to import: they are
+# imported where a sharded checkpoint is written or read, not when the plugin is.
 
 __all__ = [
     "METADATA_NAME",
@@ -98,9 +93,18 @@ _CHUNK = 1 << 22
 # -- what is sharded ---------------------------------------------------------------------------------
 
 
+def _dtensor_type() -> type[torch.Tensor] | None:
+    """DTensor, when torch.distributed.tensor is loaded (without it no tensor is one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
 def models_are_sharded(ctx: TrainingContext) -> bool:
     """Whether any trained model has DTensor parameters (FSDP): its checkpoint must be sharded."""
-    return any(isinstance(p, DTensor) for model in ctx.models.values() for p in model.parameters())
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(
+        isinstance(p, dtensor) for model in ctx.models.values() for p in model.parameters()
+    )
 
 
 def is_sharded_checkpoint(directory: str | os.PathLike[str]) -> bool:
@@ -165,36 +169,47 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
         raise storage.CheckpointError(
             f"{path} was refused: a DCP metadata file may hold only DCP's metadata classes, never code ({err})"
         ) from err
+    from torch.distributed.checkpoint.metadata import Metadata
+
     if not isinstance(metadata, Metadata):
         raise storage.CheckpointError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__})")
     return metadata
 
 
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader with :func:`read_dcp_metadata` in place of a plain ``pickle.load``."""
+@functools.lru_cache(maxsize=1)
+def _safe_io() -> tuple[type, type]:
+    """DCP's file reader and load planner, made safe (defined on first use: DCP is imported then)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import ReadItem
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise storage.CheckpointError(f"{self.path}: per-rank DCP metadata is not an nvtrain checkpoint")
-        metadata = read_dcp_metadata(Path(self.path) / METADATA_NAME)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
-        return metadata
+    class SafeFileSystemReader(FileSystemReader):
+        """DCP's file reader with :func:`read_dcp_metadata` in place of a plain ``pickle.load``."""
 
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            if kwargs.get("rank") is not None:
+                raise storage.CheckpointError(f"{self.path}: per-rank DCP metadata is not an nvtrain checkpoint")
+            metadata = read_dcp_metadata(Path(self.path) / METADATA_NAME)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+            return metadata
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, reading non-tensor entries with ``torch.load(weights_only=True)``."""
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """DCP's load planner, reading non-tensor entries with ``torch.load(weights_only=True)``."""
 
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        try:
-            loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as err:
-            raise storage.CheckpointError(
-                f"the sharded checkpoint's entry {read_item.dest_index.fqn!r} was refused by "
-                f"torch.load(weights_only=True): it holds more than plain data ({_first_line(err)})"
-            ) from err
-        super().load_bytes(read_item, io.BytesIO(_saved(loaded)))
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise storage.CheckpointError(
+                    f"the sharded checkpoint's entry {read_item.dest_index.fqn!r} was refused by "
+                    f"torch.load(weights_only=True): it holds more than plain data ({_first_line(err)})"
+                ) from err
+            super().load_bytes(read_item, io.BytesIO(_saved(loaded)))
+
+    return SafeFileSystemReader, SafeLoadPlanner
 
 
 def _first_line(err: Exception) -> str:
@@ -213,12 +228,16 @@ def _saved(value: Any) -> bytes:
 def _dcp_load(state: dict[str, Any], directory: Path, *, no_dist: bool = False) -> None:
     """``dcp.load`` into ``state`` with the safe reader and planner; in this process alone when ``no_dist``
     or when there is no process group (DCP warns then; here that is the intent)."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader, planner = _safe_io()
     no_dist = no_dist or not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         if no_dist:
             warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent is to load")
         try:
-            dcp.load(state, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner(), no_dist=no_dist)
+            load(state, storage_reader=reader(directory), planner=planner(), no_dist=no_dist)
         except CheckpointException as err:
             ranks, inner = _first_failure(err)
             if isinstance(inner, storage.CheckpointError):
@@ -238,6 +257,8 @@ def _first_failure(err: CheckpointException) -> tuple[list[int], BaseException]:
 
 def _saving(directory: Path, save: Callable[[], Metadata]) -> Metadata:
     """Run a DCP save, turning its gathered failure (a BaseException) into an ordinary error naming the place."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         return save()
     except CheckpointException as err:
@@ -263,6 +284,8 @@ def _optimizer_model(name: str, optimizer: torch.optim.Optimizer, models: Mappin
 
 def _sharded_parts(strategy: TrainingStrategy) -> dict[str, Any]:
     """Models and optimizers as DCP state dicts (FQN keys; DTensor shards where the model is sharded)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     ctx = strategy.ctx
     return {
         "models": {name: get_model_state_dict(model) for name, model in ctx.models.items()},
@@ -275,7 +298,8 @@ def _sharded_parts(strategy: TrainingStrategy) -> dict[str, Any]:
 
 def _extract_dtensors(value: Any, path: str, found: dict[str, torch.Tensor]) -> Any:
     """``value`` with every DTensor replaced by ``{MARKER: key}``; the DTensors go into ``found`` by key."""
-    if isinstance(value, DTensor):
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(value, dtensor):
         found[path] = value
         return {MARKER: path}
     if isinstance(value, dict):
@@ -391,6 +415,8 @@ class ShardedSaver:
         parts = {**_sharded_parts(strategy), "hook_tensors": hook_tensors}
         # rank 0's small state is copied now, on the training thread, like the single-file path's snapshot
         copied = snapshot(rest) if rank == 0 else None
+        import torch.distributed.checkpoint as dcp
+
         writer = dcp.FileSystemWriter(tmp / SHARDED_DIR, sync_files=True)
         manifest = {**metadata, "sharded": {"format": FORMAT, "directory": SHARDED_DIR, "world_size": world_size}}
         finish = functools.partial(
@@ -475,6 +501,8 @@ def _finish(
 
 def _template_for(key: str, metadata: Metadata, live: Any) -> torch.Tensor:
     """Where the saved hook tensor ``key`` is read into: the live one when it fits, else a full plain tensor."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     entry = metadata.state_dict_metadata.get(f"hook_tensors.{key}")
     if not isinstance(entry, TensorStorageMetadata):
         raise storage.CheckpointError(f"the sharded checkpoint lists no tensor for {key!r}")
@@ -498,6 +526,8 @@ def load_sharded(
     ``data_position=False``, which leaves it out (the run then starts the saved epoch's
     data from its beginning).
     """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     ctx = strategy.ctx
     source = source or f"checkpoint {str(directory)!r}"
     rest = storage.load_state_file(directory / storage.STATE_NAME)
@@ -608,6 +638,8 @@ def _one_model(model_key: str | None, names: Iterable[str], directory: Path) -> 
 
 
 def _consolidated_model(directory: Path, model_key: str | None) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     metadata = read_dcp_metadata(directory / SHARDED_DIR / METADATA_NAME)
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     entries: dict[str, dict[str, Any]] = {}

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint
 from nvtrain_checkpoint import CheckpointHook
 from nvtrain_ema import EMAHook
 from nvtrain_fsdp import FSDPHook

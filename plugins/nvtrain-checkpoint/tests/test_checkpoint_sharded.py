@@ -72,7 +72,7 @@ def _kill(procs: list[subprocess.Popen[str]]) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # no handler, no flush, no cleanup
     for proc in procs:
-        proc.communicate()
+        proc.wait(timeout=60)
 
 
 def launch(out: Path, *scenarios: str) -> None:
