@@ -463,6 +463,25 @@ def _pending(strategy: TrainingStrategy) -> PendingRestore:
 # -- the on-disk reader -------------------------------------------------------------------------
 
 
+def restore_checkpoint(strategy: TrainingStrategy, path: str | os.PathLike[str]) -> None:
+    """Restore the checkpoint at ``path`` into ``strategy``.
+
+    Once the strategy is set up, a registered hook with ``load_into(strategy, path)`` does it
+    (the checkpoint hook: a sharded checkpoint needs the sharded models and the optimizers
+    built on their shards, and reshards to this job's ranks). Otherwise the state is read
+    (:func:`find_checkpoint_reader`) and applied now, or at the next run's BEFORE_TRAINING.
+    """
+    hooks = strategy_hooks(strategy)
+    if strategy.is_set_up:
+        for hook in hooks:
+            load_into = getattr(hook, "load_into", None)
+            if callable(load_into) and not isinstance(hook, type):
+                load_into(strategy, path)
+                return
+    state = find_checkpoint_reader(hooks)(path)
+    load_state(strategy, state, source=f"checkpoint {str(path)!r}")
+
+
 def find_checkpoint_reader(hooks: Iterable[object] = ()) -> Callable[[str | os.PathLike[str]], dict[str, Any]]:
     """``read_checkpoint(path) -> state`` from a hook that has one, else the ``checkpoint`` entry point."""
     for hook in hooks:

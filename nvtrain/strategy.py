@@ -631,11 +631,12 @@ class TrainingStrategy:
         load_state(self, state)
 
     def restore(self, path: Any) -> None:
-        """Restore the checkpoint at ``path`` (read by the installed nvtrain-checkpoint distribution)."""
-        from nvtrain.state import find_checkpoint_reader, load_state, strategy_hooks
+        """Restore the checkpoint at ``path``: once set up, through a registered hook's ``load_into`` (a
+        sharded checkpoint reshards to this job's ranks there), else read by the installed
+        nvtrain-checkpoint distribution."""
+        from nvtrain.state import restore_checkpoint
 
-        state = find_checkpoint_reader(strategy_hooks(self))(path)
-        load_state(self, state, source=f"checkpoint {str(path)!r}")
+        restore_checkpoint(self, path)
 
     @classmethod
     def load_checkpoint(

@@ -201,6 +201,23 @@ def scenario_resume_auto(out: Path, arg: str) -> None:
     save(out, f"rank{dist.get_rank()}.pt", train(hook))
 
 
+def scenario_load_checkpoint(out: Path, arg: str) -> None:
+    """TrainingStrategy.load_checkpoint of a sharded checkpoint: restored on return, before any run."""
+    ema = EMAHook(decay=0.5)
+    strategy = nvtrain.TrainingStrategy.load_checkpoint(
+        Path(arg),
+        hooks=[FSDPHook(), ema, CheckpointHook(out / "unused")],
+        models=make_model(),
+        optimizers=functools.partial(torch.optim.AdamW, lr=0.01),
+        loss_fn=torch.nn.functional.mse_loss,
+        lr_schedulers=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3, gamma=0.5),
+        distributed_manager=nvtrain.DistributedManager(),
+        device="cpu",
+    )
+    with strategy:
+        save(out, f"rank{dist.get_rank()}.pt", {"loaded": snapshot_of(strategy, ema)})
+
+
 def scenario_per_rank(out: Path, arg: str) -> None:
     """rank_zero_only=False cannot write a sharded checkpoint: the error is recorded."""
     try:
@@ -218,6 +235,7 @@ SCENARIOS = {
     "resume_auto": scenario_resume_auto,
     "fault": scenario_fault,
     "per_rank": scenario_per_rank,
+    "load_checkpoint": scenario_load_checkpoint,
 }
 
 

@@ -177,8 +177,16 @@ def test_export_consolidates_the_shards_into_one_plain_state_dict(saved: Path, t
 @pytest.fixture(scope="module")
 def resumed(saved: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("resumed")
-    launch(out, f"resume={saved / 'save' / 'checkpoints' / 'step_4'}")
+    step_4 = saved / "save" / "checkpoints" / "step_4"
+    launch(out, f"resume={step_4}", f"load_checkpoint={step_4}")
     return out
+
+
+def test_load_checkpoint_restores_a_sharded_checkpoint_before_any_run(saved: Path, resumed: Path) -> None:
+    uninterrupted = results(saved / "save")
+    for rank, result in enumerate(results(resumed / "load_checkpoint")):
+        # weights, optimizer state, LR, EMA and counters of step 4, readable as load_checkpoint returns
+        assert_same(uninterrupted[rank]["snapshots"][4], result["loaded"])
 
 
 def test_two_ranks_resume_bitwise_and_finish_like_the_uninterrupted_run(saved: Path, resumed: Path) -> None:
