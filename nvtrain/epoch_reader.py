@@ -99,13 +99,13 @@ class EpochReader:
     """
 
     __slots__ = (
-        "_iterator",
         "_loaded_state",
-        "_pending",
         "_state_before_lookahead",
         "epoch_rng",
         "items",
+        "iterator",
         "loader",
+        "pending",
         "pulled",
         "sized",
         "stateful",
@@ -120,22 +120,14 @@ class EpochReader:
         #: The global and the loader's random states when the epoch's iterator was made (position 0).
         self.epoch_rng: dict[str, Any] | None = None
         self._loaded_state: dict[str, Any] | None = None  # a StatefulDataLoader state to resume from
-        self._iterator: Iterator[Any] | None = None
-        self._pending: Any = NO_ITEM
+        #: The epoch's live iterator (None until :meth:`open`), and a peeked micro-batch (or NO_ITEM).
+        self.iterator: Iterator[Any] | None = None
+        self.pending: Any = NO_ITEM
         self.pulled = 0
         self.items: int | None = None
         self._state_before_lookahead: tuple[int, dict[str, Any]] | None = None  # (pulled, loader state)
 
     # -- the epoch's iterator ------------------------------------------------------------------
-
-    @property
-    def is_open(self) -> bool:
-        return self._iterator is not None
-
-    @property
-    def has_pending(self) -> bool:
-        """Is a peeked micro-batch waiting (a loader without ``len()``)?"""
-        return self._pending is not NO_ITEM
 
     def open(self, position: int, epoch: int) -> Iterator[Any]:
         """The iterator of ``epoch`` that yields micro-batch ``position`` first (nothing before it is read)."""
@@ -161,7 +153,7 @@ class EpochReader:
                 iterator = DataCursor(loader).open(position, epoch)
             finally:
                 _restore_rng(now, generators)
-        self._iterator, self._pending, self.pulled = iterator, NO_ITEM, position
+        self.iterator, self.pending, self.pulled = iterator, NO_ITEM, position
         self.items = loader_len(loader) if self.sized else None
         return iterator
 
@@ -190,21 +182,17 @@ class EpochReader:
         self._loaded_state = None
         return iterator
 
-    def next_fast(self) -> Any:
-        """The next micro-batch straight from the iterator (no peeked one pending), or :data:`NO_ITEM`."""
-        assert self._iterator is not None
-        item = next(self._iterator, NO_ITEM)
+    def take(self) -> Any:
+        """The next micro-batch (a peeked one first), or :data:`NO_ITEM` at the epoch's end."""
+        if self.pending is not NO_ITEM:
+            item, self.pending = self.pending, NO_ITEM
+            self.pulled += 1
+            return item
+        assert self.iterator is not None
+        item = next(self.iterator, NO_ITEM)
         if item is not NO_ITEM:
             self.pulled += 1
         return item
-
-    def take(self) -> Any:
-        """The next micro-batch (a peeked one first), or :data:`NO_ITEM` at the epoch's end."""
-        if self._pending is not NO_ITEM:
-            item, self._pending = self._pending, NO_ITEM
-            self.pulled += 1
-            return item
-        return self.next_fast()
 
     def peek_exhausted(self) -> bool:
         """Peek one micro-batch ahead (kept for :meth:`take`); True when the epoch has none left.
@@ -212,16 +200,16 @@ class EpochReader:
         For a StatefulDataLoader the loader's state is kept first: the state after the
         consumed micro-batches, before the loader counts the peeked one.
         """
-        assert self._iterator is not None
+        assert self.iterator is not None
         if self.stateful:
             self._state_before_lookahead = (self.pulled, copy.deepcopy(self._current_loader_state()))
-        peeked = next(self._iterator, NO_ITEM)
-        self._pending = peeked
+        peeked = next(self.iterator, NO_ITEM)
+        self.pending = peeked
         return peeked is NO_ITEM
 
     def drop(self) -> None:
         """Forget the live iterator (the epoch changes, or a state is loaded)."""
-        self._iterator, self._pending, self.pulled, self.items = None, NO_ITEM, 0, None
+        self.iterator, self.pending, self.pulled, self.items = None, NO_ITEM, 0, None
         self._state_before_lookahead = None
 
     def new_epoch(self) -> None:
@@ -247,10 +235,10 @@ class EpochReader:
         """
         if not self.stateful or position == 0:
             return None
-        if self._iterator is None:  # nothing read since the state was loaded: it still holds
+        if self.iterator is None:  # nothing read since the state was loaded: it still holds
             held = self._loaded_state
             return held if held is not None and position == closed_position else None
-        if self.pulled == position and self._pending is NO_ITEM:
+        if self.pulled == position and self.pending is NO_ITEM:
             return self._current_loader_state()
         before = self._state_before_lookahead
         if before is not None and before[0] == position:

@@ -462,13 +462,15 @@ class StepScheduler:
     def _next_window(self) -> tuple[list[Any], bool]:
         """The next window and whether it ends the epoch (known before it is yielded)."""
         reader = self._reader
-        if not reader.is_open:
-            reader.open(self._position, self.epoch)
+        iterator = reader.iterator
+        if iterator is None:
+            iterator = reader.open(self._position, self.epoch)
         size = self.grad_acc_steps
         items = reader.items
-        if size == 1 and items is not None and not reader.has_pending and reader.pulled < items:
-            item = reader.next_fast()  # the common case: one micro-batch per step, a sized loader
+        if size == 1 and items is not None and reader.pending is NO_ITEM and reader.pulled < items:
+            item = next(iterator, NO_ITEM)  # the common case: one micro-batch per step, a sized loader
             if item is not NO_ITEM:
+                reader.pulled += 1
                 return [item], reader.pulled >= items
             # ran dry before len(): the general path below finds it exhausted, warns and ends the epoch
         if items is not None:

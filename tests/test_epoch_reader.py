@@ -86,7 +86,7 @@ def test_peeking_keeps_the_item_for_the_next_take() -> None:
     reader.open(0, epoch=0)
     assert reader.items is None
     assert reader.take().tolist() == [0, 1]
-    assert reader.peek_exhausted() is False and reader.has_pending and reader.pulled == 1
+    assert reader.peek_exhausted() is False and reader.pending is not NO_ITEM and reader.pulled == 1
     assert reader.take().tolist() == [2, 3] and reader.pulled == 2
     assert reader.take().tolist() == [4]
     assert reader.peek_exhausted() is True
