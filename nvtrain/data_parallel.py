@@ -25,6 +25,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from nvtrain.data_cursor import is_torchdata_class
 from nvtrain.distributed import TorchrunEnv, default_backend
+from nvtrain.hookspecs import hookimpl
 from nvtrain.validators import FieldTypeError, refused
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "INFERRED_KEYWORDS",
     "LoaderSharding",
+    "ShardsTrainLoader",
     "as_sampler_factory",
     "as_sampler_kwargs",
     "distributed_loader",
@@ -222,6 +224,54 @@ class LoaderSharding:
                 f"strategy.run({self.variable}.shard(loader)), or run again on strategy.ctx.train_loader",
                 stacklevel=3,
             )
+
+
+class ShardsTrainLoader:
+    """The data side both data-parallel hooks share: shard the training loader, ``set_epoch`` each epoch.
+
+    A hook mixing this in keeps ``_active`` (a process group of several ranks is in use),
+    ``_group``, ``_loaders`` (its :class:`LoaderSharding`), ``sampler_cls`` and
+    ``sampler_kwargs``, and calls :meth:`_prepare_loader` at SETUP.
+    """
+
+    __slots__ = ()
+
+    _active: bool
+    _group: Any
+    _loaders: LoaderSharding
+    sampler_cls: Callable[..., Any]
+    sampler_kwargs: dict[str, Any]
+
+    @hookimpl
+    def before_training(self, ctx: TrainingContext) -> None:
+        """Warn when ``run()`` got a loader after SETUP that does not shard (it can no longer be swapped)."""
+        if self._active:
+            self._loaders.check_late_loader(ctx.train_loader)
+
+    def shard(self, loader: Any) -> Any:
+        """``loader`` with this hook's distributed sampler (unchanged in a single process or when it shards).
+
+        SETUP does this for the loader of the first ``run()``; use it for loaders given later.
+        """
+        if not self._active:
+            return loader
+        return self._loaders.shard(
+            loader,
+            sampler_cls=self.sampler_cls,
+            sampler_kwargs=self.sampler_kwargs,
+            rank=dist.get_rank(self._group),
+            world_size=dist.get_world_size(self._group),
+        )
+
+    def _prepare_loader(self, ctx: TrainingContext) -> None:
+        if ctx.train_loader is not None:
+            ctx.train_loader = self.shard(ctx.train_loader)
+        self._loaders.prepared = ctx.train_loader
+
+    @hookimpl
+    def before_epoch(self, ctx: TrainingContext) -> None:
+        """``set_epoch(ctx.epoch)`` on every sampler of the loader that has it (idempotent)."""
+        set_sampler_epoch(ctx.train_loader, ctx.epoch)
 
 
 def set_sampler_epoch(loader: Any, epoch: int) -> None:

@@ -17,11 +17,11 @@ from torch.utils.data import DistributedSampler
 import nvtrain
 from nvtrain.data_parallel import (
     LoaderSharding,
+    ShardsTrainLoader,
     as_sampler_factory,
     as_sampler_kwargs,
     refuse_other_data_parallel,
     resolve_process_group,
-    set_sampler_epoch,
 )
 from nvtrain.distributed import TorchrunEnv
 from nvtrain.validators import FieldTypeError, a_bool, optional_bool, optional_non_empty_str, refused
@@ -72,7 +72,7 @@ def _as_sampler_kwargs(value: Any) -> dict[str, Any]:
 
 
 @attrs.define(eq=False)
-class DDPHook:
+class DDPHook(ShardsTrainLoader):
     """Wraps the trained models in DistributedDataParallel at SETUP and shards the data.
 
     - SETUP (after every other setup implementation, so fine-tuning patches that
@@ -208,36 +208,7 @@ class DDPHook:
 
     # -- data ------------------------------------------------------------------------------
 
-    @nvtrain.hookimpl
-    def before_training(self, ctx: nvtrain.TrainingContext) -> None:
-        """Warn when ``run()`` got a loader after SETUP that does not shard (it can no longer be swapped)."""
-        if self._active:
-            self._loaders.check_late_loader(ctx.train_loader)
-
-    def shard(self, loader: Any) -> Any:
-        """``loader`` with this hook's distributed sampler (unchanged in a single process or when it shards).
-
-        SETUP does this for the loader of the first ``run()``; use it for loaders given later.
-        """
-        if not self._active:
-            return loader
-        return self._loaders.shard(
-            loader,
-            sampler_cls=self.sampler_cls,
-            sampler_kwargs=self.sampler_kwargs,
-            rank=dist.get_rank(self._group),
-            world_size=dist.get_world_size(self._group),
-        )
-
-    def _prepare_loader(self, ctx: nvtrain.TrainingContext) -> None:
-        if ctx.train_loader is not None:
-            ctx.train_loader = self.shard(ctx.train_loader)
-        self._loaders.prepared = ctx.train_loader
-
-    @nvtrain.hookimpl
-    def before_epoch(self, ctx: nvtrain.TrainingContext) -> None:
-        """``set_epoch(ctx.epoch)`` on every sampler of the loader that has it (idempotent)."""
-        set_sampler_epoch(ctx.train_loader, ctx.epoch)
+    # before_training, shard(), _prepare_loader() and before_epoch come from ShardsTrainLoader.
 
     # -- one all-reduce per optimizer step -------------------------------------------------
 
