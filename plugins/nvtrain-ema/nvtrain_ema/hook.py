@@ -235,16 +235,7 @@ class _UpdatePlan:
             averaged_pairs += list(zip(dst_buffers, src_buffers, strict=False))
         else:
             copied_pairs += list(zip(dst_buffers, src_buffers, strict=False))
-        lerp = [(d, s) for d, s in averaged_pairs if d.is_floating_point() or d.is_complex()]
-        copied_pairs += [(d, s) for d, s in averaged_pairs if not (d.is_floating_point() or d.is_complex())]
-        return cls(
-            averaged=averaged,
-            lerp_dst=[d for d, _ in lerp],
-            lerp_src=[s for _, s in lerp],
-            copy_dst=[d for d, _ in copied_pairs],
-            copy_src=[s for _, s in copied_pairs],
-            n_averaged=int(averaged.n_averaged),
-        )
+        return cls._of_pairs(averaged, averaged_pairs, copied_pairs)
 
     @classmethod
     def pair_sharded(cls, averaged: ShardedAverage, source: torch.nn.Module) -> _UpdatePlan:
@@ -258,8 +249,18 @@ class _UpdatePlan:
                 strict=True,
             )
         ]
-        lerp = [(d, s) for d, s in pairs if d.is_floating_point() or d.is_complex()]
-        copied = [(d, s) for d, s in pairs if not (d.is_floating_point() or d.is_complex())]
+        return cls._of_pairs(averaged, pairs, [])
+
+    @classmethod
+    def _of_pairs(
+        cls,
+        averaged: AveragedModel | ShardedAverage,
+        averaged_pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        copied_pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> _UpdatePlan:
+        """Floating-point pairs are averaged with ``lerp``; integer ones join ``copied_pairs``."""
+        lerp = [(d, s) for d, s in averaged_pairs if d.is_floating_point() or d.is_complex()]
+        copied = copied_pairs + [(d, s) for d, s in averaged_pairs if not (d.is_floating_point() or d.is_complex())]
         return cls(
             averaged=averaged,
             lerp_dst=[d for d, _ in lerp],
