@@ -280,8 +280,9 @@ class CheckpointHook:
             state = capture_state(ctx.strategy)  # type: ignore[arg-type]
             if gathered is not None:
                 state["rng_by_rank"] = gathered
-            # the previous write is complete (waited for above), so its buffers are free to take the new copy
-            copied = snapshot(state, reuse=self._reusable)
+            # The previous write is complete (waited for above), so its buffers are free to take the new
+            # copy. A synchronous save writes before training resumes: host tensors need no copy.
+            copied = snapshot(state, reuse=self._reusable, copy_host=self.async_save)
             job = functools.partial(
                 storage.save_checkpoint,
                 self.checkpoint_root(ctx),

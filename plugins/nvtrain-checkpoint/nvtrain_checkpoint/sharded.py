@@ -30,7 +30,6 @@ are read with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import os
 import pickle
@@ -87,7 +86,6 @@ METADATA_NAME = ".metadata"
 FORMAT = "torch.distributed.checkpoint"
 #: A hook-state tensor stored in the DCP part; in ``state.pt`` it is replaced by ``{MARKER: key}``.
 MARKER = "__nvtrain_sharded__"
-_CHUNK = 1 << 22
 
 
 # -- what is sharded ---------------------------------------------------------------------------------
@@ -337,14 +335,6 @@ def _find(value: Any, path: str) -> Any:
 # -- saving ---------------------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(_CHUNK):
-            digest.update(chunk)
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
-
-
 def _data_files(metadata: Metadata) -> list[str]:
     """The files DCP wrote (relative to its directory), from its own index."""
     return sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
@@ -464,7 +454,7 @@ def _finish(
     # some torch releases (seen with torch 2.11 and NCCL), the file always has it.
     written = read_dcp_metadata(directory / METADATA_NAME)
     mine = {
-        f"{SHARDED_DIR}/{name}": _sha256(directory / name)
+        f"{SHARDED_DIR}/{name}": storage.file_digest(directory / name)
         for index, name in enumerate(_data_files(written))
         if index % world_size == rank
     }
@@ -473,7 +463,7 @@ def _finish(
     final = root / storage.checkpoint_name(step)
     if rank == 0:
         try:
-            files = {f"{SHARDED_DIR}/{METADATA_NAME}": _sha256(directory / METADATA_NAME)}
+            files = {f"{SHARDED_DIR}/{METADATA_NAME}": storage.file_digest(directory / METADATA_NAME)}
             for share in gathered:
                 files.update(share)
             on_disk = {f"{SHARDED_DIR}/{entry.name}" for entry in directory.iterdir()}

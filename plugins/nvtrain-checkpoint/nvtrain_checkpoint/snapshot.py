@@ -22,7 +22,7 @@ _LEAVES: frozenset[type] = frozenset(
 )
 
 
-def snapshot(state: Any, label: str = "state", reuse: Any = None) -> Any:
+def snapshot(state: Any, label: str = "state", reuse: Any = None, *, copy_host: bool = True) -> Any:
     """A deep copy of ``state`` whose tensors live in host memory and share nothing with the model.
 
     ``reuse`` is an earlier snapshot nobody reads any more: its tensors are copied
@@ -30,9 +30,12 @@ def snapshot(state: Any, label: str = "state", reuse: Any = None) -> Any:
     page-faulting) host memory again. CUDA tensors go to pinned buffers with
     asynchronous copies and one synchronisation at the end.
 
+    ``copy_host=False`` keeps tensors already in host memory as they are (still checked):
+    for a synchronous save, which writes them before training can change them.
+
     :raises TypeError: for a value no weights-only load can read back, naming where it sits.
     """
-    copier = _Copier()
+    copier = _Copier(copy_host)
     copied = copier.copy(state, reuse, label)
     if copier.from_cuda:
         torch.cuda.synchronize()
@@ -42,7 +45,8 @@ def snapshot(state: Any, label: str = "state", reuse: Any = None) -> Any:
 class _Copier:
     """One snapshot's bookkeeping: copies by source tensor (sharing), buffers taken, CUDA involved."""
 
-    def __init__(self) -> None:
+    def __init__(self, copy_host: bool = True) -> None:
+        self.copy_host = copy_host
         self.memo: dict[int, torch.Tensor] = {}
         self.taken: set[int] = set()
         self.from_cuda = False
@@ -62,9 +66,14 @@ class _Copier:
                 out[key] = self.copy(item, before.get(key), f"{path}[{key!r}]")
             return out
         if kind is list or kind is tuple:
+            if all(type(item) in _LEAVES for item in value):  # e.g. Python's RNG state: 625 ints
+                return list(value) if kind is list else value
             same = type(previous) is kind and len(previous) == len(value)
             olds = previous if same else (None,) * len(value)
-            items = [self.copy(item, old, f"{path}[{index}]") for index, (item, old) in enumerate(zip(value, olds, strict=False))]
+            items = [
+                self.copy(item, old, f"{path}[{index}]")
+                for index, (item, old) in enumerate(zip(value, olds, strict=False))
+            ]
             return items if kind is list else tuple(items)
         if kind is set:
             return {self.copy(item, None, f"{path} (a set member)") for item in value}
@@ -80,6 +89,9 @@ class _Copier:
             raise TypeError(f"checkpoint: {path} is a {tensor.layout} tensor; only dense (strided) tensors are saved")
         source = tensor.detach()
         on_host = source.device.type == "cpu"
+        if on_host and not self.copy_host:
+            self.memo[id(tensor)] = source
+            return source
         self.from_cuda = self.from_cuda or not on_host
         if self._fits(previous, source, on_host):
             copy = previous.copy_(source, non_blocking=not on_host)

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import nvtrain_checkpoint.hook as hook_module
 import pytest
 import torch
 from nvtrain_checkpoint import CheckpointHook, list_checkpoints, read_checkpoint, storage
@@ -282,10 +283,35 @@ class _Unsaveable:
         pass
 
 
-def test_state_a_safe_load_could_not_read_is_refused_at_save_time(driver: ModuleType, tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [True, False])
+def test_state_a_safe_load_could_not_read_is_refused_at_save_time(
+    driver: ModuleType, tmp_path: Path, async_save: bool
+) -> None:
     with pytest.raises(TypeError, match=r"cannot save state\['hooks'\]\['weird'\]\['handle'\] of type builtins.object"):
-        driver.straight("plain", [_Unsaveable(), CheckpointHook(tmp_path, step_interval=1, async_save=True)])
+        driver.straight("plain", [_Unsaveable(), CheckpointHook(tmp_path, step_interval=1, async_save=async_save)])
     assert _saved(tmp_path) == []
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_only_a_background_save_copies_host_tensors(
+    driver: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """A synchronous save writes before training resumes, so it takes the host tensors as they are;
+    a background one must copy them first (training changes them while the write runs)."""
+    calls: list[bool] = []
+    real = hook_module.snapshot
+
+    def spy(state: Any, label: str = "state", reuse: Any = None, *, copy_host: bool = True) -> Any:
+        calls.append(copy_host)
+        return real(state, label, reuse, copy_host=copy_host)
+
+    monkeypatch.setattr(hook_module, "snapshot", spy)
+    reference = driver.straight("plain")
+    saved = driver.straight("plain", [CheckpointHook(tmp_path, step_interval=3, async_save=async_save)])
+    assert calls and set(calls) == {async_save}
+    driver.assert_same(reference["params"], saved["params"])  # saving changed nothing in the run
+    loaded = read_checkpoint(tmp_path / "step_18")
+    driver.assert_same(saved["params"], loaded["models"]["main"])
 
 
 # -- resuming --------------------------------------------------------------------------------------------

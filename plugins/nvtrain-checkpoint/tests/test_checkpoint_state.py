@@ -152,3 +152,22 @@ def test_a_snapshot_copies_and_can_reuse_an_earlier_ones_buffers() -> None:
     assert second["list"][0] is first["list"][0]
     resized = snapshot({"a": torch.zeros(4)}, reuse=second)
     assert resized["a"] is not second["a"] and resized["a"].shape == (4,)
+
+
+def test_a_snapshot_for_a_synchronous_save_keeps_host_tensors_and_still_checks_them() -> None:
+    weight = torch.randn(3, 3)
+    live = {"a": weight, "tied": weight, "rng": (3, tuple(range(625)), None), "ids": [1, 2]}
+    kept = snapshot(live, copy_host=False)
+    assert kept["a"].data_ptr() == weight.data_ptr() and kept["a"] is kept["tied"]  # no copy, ties kept
+    assert kept["rng"][1] is live["rng"][1]  # an immutable tuple of numbers is taken as it is
+    assert kept["ids"] == [1, 2] and kept["ids"] is not live["ids"]  # a list is still a new list
+    with pytest.raises(TypeError, match=r"cannot save state\['bad'\]\[1\] of type builtins.object"):
+        snapshot({"bad": [1, object()]}, copy_host=False)
+
+
+def test_a_snapshot_does_not_follow_later_changes_of_lists_of_numbers() -> None:
+    live = {"counts": [1, 2, 3], "nested": ([4, 5], 6)}
+    copied = snapshot(live)
+    live["counts"].append(4)
+    live["nested"][0].append(7)
+    assert copied == {"counts": [1, 2, 3], "nested": ([4, 5], 6)}

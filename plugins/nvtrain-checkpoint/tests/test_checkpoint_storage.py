@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -57,6 +58,40 @@ def test_layout_manifest_and_latest(tmp_path: Path) -> None:
     assert len(manifest["files"][STATE_NAME]["sha256"]) == 64
     state = read_checkpoint(tmp_path)  # a root resolves to what latest names
     assert torch.equal(state["models"]["main"]["weight"], torch.full((2, 3), 7.0))
+
+
+def test_the_manifest_holds_the_size_and_sha256_of_the_bytes_on_disk(tmp_path: Path) -> None:
+    directory = _save(tmp_path, 1)
+    data = (directory / STATE_NAME).read_bytes()
+    entry = read_manifest(directory)["files"][STATE_NAME]
+    assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_a_failed_fsync_fails_the_save_and_publishes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state file is fsynced on a helper thread while its digest is taken: its error still fails the save."""
+    _save(tmp_path, 1)
+    real_fsync = os.fsync
+    state_files: set[int] = set()
+    real_open = open
+
+    def failing_fsync(fd: int) -> None:
+        if fd in state_files:
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    def tracking_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(file, mode, *args, **kwargs)
+        if str(file).endswith(STATE_NAME) and "w" in mode:
+            state_files.add(handle.fileno())
+        return handle
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    monkeypatch.setattr("builtins.open", tracking_open)
+    with pytest.raises(OSError, match="Input/output error"):
+        _save(tmp_path, 2)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1"]  # no step_2, no temporary left
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_1"
 
 
 def test_a_same_numbered_checkpoint_is_replaced_whole(tmp_path: Path) -> None:
@@ -141,7 +176,6 @@ class _Payload:
 
 def _forge(directory: Path, payload: Any) -> None:
     """A checkpoint directory whose manifest matches its (hostile) state file."""
-    import hashlib
 
     directory.mkdir()
     torch.save(payload, directory / STATE_NAME)
@@ -170,7 +204,6 @@ def test_a_state_file_that_is_not_a_torch_file_is_refused(tmp_path: Path) -> Non
     _forge(tmp_path / "step_1", None)
     (tmp_path / "step_1" / STATE_NAME).write_bytes(b"not a zip")
     manifest = json.loads((tmp_path / "step_1" / MANIFEST_NAME).read_text())
-    import hashlib
 
     manifest["files"][STATE_NAME] = {"size": 9, "sha256": hashlib.sha256(b"not a zip").hexdigest()}
     (tmp_path / "step_1" / MANIFEST_NAME).write_text(json.dumps(manifest))
