@@ -71,8 +71,11 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     _dtype: torch.dtype | None = attrs.field(init=False, default=None, repr=False)
     _device_type: str | None = attrs.field(init=False, default=None, repr=False)
     _scaler: torch.amp.GradScaler | None = attrs.field(init=False, default=None, repr=False)
-    _autocast_stack: contextlib.ExitStack | None = attrs.field(init=False, default=None, repr=False)
-    _unscaled: bool = attrs.field(init=False, default=False, repr=False)
+    #: The training autocast region, built once the dtype is known (None for fp32) and entered per batch.
+    _training_autocast: torch.autocast | None = attrs.field(init=False, default=None, repr=False)
+    # Flags flipped on every batch: plain attribute writes (no attrs validation pipeline on the hot path).
+    _autocast_open: bool = attrs.field(init=False, default=False, repr=False, on_setattr=attrs.setters.NO_OP)
+    _unscaled: bool = attrs.field(init=False, default=False, repr=False, on_setattr=attrs.setters.NO_OP)
     _watchers: weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepWatcher] = attrs.field(
         init=False, factory=weakref.WeakKeyDictionary, repr=False
     )
@@ -258,6 +261,10 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         if self._saved_precision is not None:
             self._check_saved_precision(dtype)
         self._device_type = device.type
+        if dtype != torch.float32:
+            # One autocast object, entered and left once per batch (torch.autocast keeps the state it
+            # restores on the instance, so sequential reuse is exact); its checks and warnings run once.
+            self._training_autocast = torch.autocast(device_type=device.type, dtype=dtype)
         if dtype == torch.float16:
             scaler = self.create_scaler(device.type)
             if self._pending_scaler_state is not None:
@@ -282,11 +289,11 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             # A batch that raised after unscale_: reset the scaler before this batch scales.
             self._unscaled = False
             self._scaler.update()  # type: ignore[union-attr]
-        dtype = self._resolve(ctx.device)
-        if dtype != torch.float32:
-            stack = contextlib.ExitStack()
-            stack.enter_context(torch.autocast(device_type=ctx.device.type, dtype=dtype))
-            self._autocast_stack = stack
+        self._resolve(ctx.device)
+        region = self._training_autocast
+        if region is not None:
+            region.__enter__()  # left in _close_autocast (DO_BACKWARD, the next batch, or close())
+            self._autocast_open = True
 
     def _do_backward(self, ctx: nvtrain.TrainingContext) -> torch.Tensor:
         self._close_autocast()
@@ -299,9 +306,9 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         return loss
 
     def _close_autocast(self) -> None:
-        stack, self._autocast_stack = self._autocast_stack, None
-        if stack is not None:
-            stack.close()
+        if self._autocast_open:
+            self._autocast_open = False
+            self._training_autocast.__exit__(None, None, None)  # type: ignore[union-attr]
 
     def _watcher(self, optimizer: torch.optim.Optimizer) -> _StepWatcher:
         watcher = self._watchers.get(optimizer)

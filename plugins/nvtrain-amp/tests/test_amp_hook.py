@@ -317,6 +317,24 @@ def test_autocast_spans_before_batch_to_do_backward(precision: torch.dtype) -> N
     assert probe.dtypes["outputs"] == precision
 
 
+def test_the_autocast_region_is_reentered_every_batch_and_restores_what_it_found() -> None:
+    """One autocast object serves every batch: each batch runs under it, and leaving it restores the
+    autocast settings in force before (dtype, enabled, and the nesting depth)."""
+    before_dtype = torch.get_autocast_dtype("cpu")
+    probe = AutocastProbe()
+    strategy = make_strategy([MixedPrecisionHook(precision="bf16"), probe])
+    for batch in make_batches(3):
+        probe.seen.clear()
+        strategy.train_batch(batch)
+        assert probe.seen["before_forward"] and not probe.seen["backward"]
+        assert probe.dtypes["outputs"] == torch.bfloat16
+        assert not torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == before_dtype
+    depth = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    assert depth == 1  # every enter was matched by an exit
+    assert strategy.ctx.step_count == 3
+
+
 def test_fp32_uses_no_autocast_and_no_scaler() -> None:
     probe = AutocastProbe()
     hook = MixedPrecisionHook(precision="fp32")

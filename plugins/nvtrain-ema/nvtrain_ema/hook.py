@@ -66,7 +66,9 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     priority: int = attrs.field(default=50, validator=strict_int)
 
     _averaged: AveragedModel | ShardedAverage | None = attrs.field(init=False, default=None, repr=False)
-    _models: Mapping[str, torch.nn.Module] | None = attrs.field(init=False, default=None, repr=False)
+    _models: Mapping[str, torch.nn.Module] | None = attrs.field(
+        init=False, default=None, repr=False, on_setattr=attrs.setters.NO_OP
+    )
     _pending: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
     _plan: _UpdatePlan | None = attrs.field(init=False, default=None, repr=False)
 
@@ -218,6 +220,8 @@ class _UpdatePlan:
     copy_src: list[torch.Tensor]
     #: Updates folded into the average so far (the first one copies the weights).
     n_averaged: int = 0
+    #: Entered around each update; one instance, reused, instead of a new one per call.
+    _no_grad: torch.no_grad = attrs.field(init=False, factory=torch.no_grad, repr=False)
 
     @classmethod
     def pair(cls, averaged: AveragedModel, source: torch.nn.Module, *, use_buffers: bool) -> _UpdatePlan:
@@ -270,14 +274,14 @@ class _UpdatePlan:
             n_averaged=int(averaged.n_averaged),
         )
 
-    @torch.no_grad()
     def update(self, decay: float) -> None:
-        if self.n_averaged == 0:
-            torch._foreach_copy_(self.lerp_dst, self.lerp_src)
-        elif self.lerp_dst:
-            torch._foreach_lerp_(self.lerp_dst, self.lerp_src, 1.0 - decay)
-        if self.copy_dst:
-            torch._foreach_copy_(self.copy_dst, self.copy_src)
+        with self._no_grad:
+            if self.n_averaged == 0:
+                torch._foreach_copy_(self.lerp_dst, self.lerp_src)
+            elif self.lerp_dst:
+                torch._foreach_lerp_(self.lerp_dst, self.lerp_src, 1.0 - decay)
+            if self.copy_dst:
+                torch._foreach_copy_(self.copy_dst, self.copy_src)
         self.n_averaged += 1
 
     def publish_count(self) -> None:
