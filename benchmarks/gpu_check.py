@@ -16,7 +16,9 @@ parameters), ``small`` MLP 256->1024->256 batch 64 (launch-bound), ``tiny``
    before each clock stop. Then the steady state: the median single step (host
    interval between two batch hand-outs, all rounds pooled), which leaves out the
    run's start and end and the steps a busy host disturbed; the targets are read
-   from these ratios, the whole-run ones are reported next to them.
+   from these ratios, the whole-run ones are reported next to them. Last, the
+   host work per step as a count of Python calls (one more run of each loop,
+   under cProfile): exact where the timings differ by less than the noise.
 2. **Checkpoint cost**, reported apart from the loop: a save every
    ``--checkpoint-every`` steps (and at the end of the run). The hand-written
    loop writes as durably as ``CheckpointHook`` does (``torch.save`` to a
@@ -75,6 +77,7 @@ from harness import (
     hand_written_workload,
     make_batches,
     measure,
+    python_calls_per_unit,
     ratio,
     strategy_workload,
 )
@@ -356,6 +359,15 @@ def loop_cost(spec: MLPSpec, device: torch.device, steps: int, rounds: int) -> d
         rounds=rounds,
     )
     steady = {name: stamped[name].step_figures() for name in names}
+    # One more run of each, profiled, on unstamped batches: the host work per step as a call count.
+    calls = {
+        names[0]: python_calls_per_unit(hand_written_workload(spec, batches, device=device)),
+        names[1]: python_calls_per_unit(strategy_workload(spec, batches, device=device)),
+        names[2]: python_calls_per_unit(
+            hand_written_workload(spec, batches, make_step=hand_written_stack(device, dtype), device=device)
+        ),
+        names[3]: python_calls_per_unit(strategy_workload(spec, batches, lambda: standard_stack(precision), device=device)),
+    }
     # When the device is the bottleneck the host runs ahead and then waits in bursts, so its single-step
     # intervals say nothing about the step; they do when the host is (a launch-bound model).
     launch_bound = steady[names[0]]["median"] >= 0.9 * timings[names[0]].median
@@ -369,6 +381,7 @@ def loop_cost(spec: MLPSpec, device: torch.device, steps: int, rounds: int) -> d
         "steady_step": {name: {key: value / 1e3 for key, value in figures.items()} for name, figures in steady.items()},
         "steady_ratio_no_plugins": _steady_ratio(steady[names[1]], steady[names[0]]),
         "steady_ratio_standard_stack": _steady_ratio(steady[names[3]], steady[names[2]]),
+        "python_calls_per_step": calls,
     }
 
 
@@ -585,6 +598,12 @@ def print_report(report: dict[str, Any]) -> None:
         ):
             figures = loop[key]
             print(f"    {label_ + ':':34s} {figures['median']:.3f}x (p10 {figures['p10']:.3f}x)")
+        calls = list(loop["python_calls_per_step"].values())
+        print(
+            "  host work (Python calls per step, cProfile): "
+            f"bare {calls[0]:.0f}, nvtrain {calls[1]:.0f} ({calls[1] - calls[0]:+.0f}); "
+            f"hand-written stack {calls[2]:.0f}, standard stack {calls[3]:.0f} ({calls[3] - calls[2]:+.0f})"
+        )
         ckpt = model["checkpoint"]
         print(f"  checkpoint cost (a save every {ckpt['every']} steps and at the end):")
         for name, figures in ckpt["per_step"].items():

@@ -21,8 +21,10 @@ Import it as ``harness``: the scripts run from this folder, and
 
 from __future__ import annotations
 
+import cProfile
 import functools
 import gc
+import pstats
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -58,6 +60,7 @@ __all__ = [
     "make_model",
     "measure",
     "noop_observer",
+    "python_calls_per_unit",
     "ratio",
     "strategy_workload",
     "update_path_workloads",
@@ -170,6 +173,27 @@ def measure(workloads: Mapping[str, Workload], *, rounds: int = 5, warmup: int =
             if index >= warmup:
                 results[name].append(per_unit)
     return {name: Timing(name, tuple(values)) for name, values in results.items()}
+
+
+def python_calls_per_unit(workload: Workload) -> float:
+    """Python-level calls (builtins included) per unit of one ``run``, counted by cProfile.
+
+    A proxy for host work that no noise moves: two loops whose times differ by less than
+    a busy machine's jitter still differ exactly in this count. It says nothing about the
+    cost of each call, so it sits next to the timings, not in place of them.
+    """
+    state = workload.prepare()
+    profile = cProfile.Profile()
+    try:
+        profile.enable()
+        try:
+            workload.run(state)
+        finally:
+            profile.disable()
+    finally:
+        if workload.cleanup is not None:
+            workload.cleanup(state)
+    return pstats.Stats(profile).total_calls / (workload.repeats * workload.units)  # type: ignore[attr-defined]
 
 
 # -- no-op plugins ----------------------------------------------------------------------------------

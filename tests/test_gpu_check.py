@@ -87,6 +87,12 @@ def test_cpu_smoke_run_reports_loop_and_checkpoint_cost_apart(tmp_path: Path) ->
         "nvtrain, standard stack",
     }
     assert loop["ratio_no_plugins"]["median"] > 0 and loop["ratio_standard_stack"]["median"] > 0
+    calls = loop["python_calls_per_step"]
+    assert set(calls) == set(loop["per_step"])
+    # the count is exact: every loop makes calls, and a stack makes more than the same loop without it
+    assert 0 < calls["bare loop"] < calls["hand-written stack"]
+    assert 0 < calls["nvtrain, no plugins"] < calls["nvtrain, standard stack"]
+    assert "host work (Python calls per step" in process.stdout
     checkpoint = model["checkpoint"]
     assert checkpoint["every"] == 10  # capped at half the steps, so a short run still saves
     for name, save in checkpoint["saves"].items():
