@@ -11,6 +11,7 @@ import logging
 import shutil
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -215,10 +216,30 @@ def test_a_full_disk_is_one_line_naming_the_checkpoint(
 
     from nvtrain_checkpoint import storage
 
-    def full(self: object, data: bytes) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
+    class FullDisk:
+        """The state file as a full disk shows it: every write fails with ENOSPC."""
 
-    monkeypatch.setattr(storage._DigestWriter, "write", full)  # torch.save then fails with "[enforce fail at ...]"
+        def __init__(self, file: Any) -> None:
+            self._file = file
+
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._file, name)
+
+        def __enter__(self) -> FullDisk:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self._file.close()
+
+    def open_on_a_full_disk(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = open(path, mode, *args, **kwargs)  # noqa: SIM115 (the caller closes it)
+        return FullDisk(handle) if "w" in mode and str(path).endswith(storage.STATE_NAME) else handle
+
+    # torch.save then fails with "[enforce fail at ...]" around the ENOSPC
+    monkeypatch.setattr(storage, "open", open_on_a_full_disk, raising=False)
     assert main(["train", str(job), *sets("hooks=[checkpoint]", "trainer.max_steps=2")]) == 1
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("nvtrain train: error:")]
