@@ -27,7 +27,6 @@ import functools
 import json
 import os
 import resource
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -36,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from nvtrain.testing import free_port
 
 MIB = 1 << 20
 
@@ -98,18 +99,12 @@ def _rank(rank: int, world_size: int, port: int, mode: str, width: int, depth: i
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def measure(modes: list[str], ranks: list[int], width: int, depth: int) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for world_size in ranks:
             for mode in modes:
-                mp.spawn(_rank, args=(world_size, _free_port(), mode, width, depth, out), nprocs=world_size, join=True)
+                mp.spawn(_rank, args=(world_size, free_port(), mode, width, depth, out), nprocs=world_size, join=True)
                 per_rank = [json.loads(Path(out, f"{mode}-{world_size}-{r}.json").read_text()) for r in range(world_size)]
                 worst = max(per_rank, key=lambda r: r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"])
                 rows.append(

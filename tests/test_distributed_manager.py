@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import nvtrain
 from nvtrain.distributed import DistributedManager, TorchrunEnv, default_backend, unwrap_model
+from nvtrain.testing import free_port
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -206,12 +206,6 @@ _JOB = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_two_processes_initialise_gloo_from_the_torchrun_environment(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
@@ -219,7 +213,7 @@ def test_two_processes_initialise_gloo_from_the_torchrun_environment(tmp_path: P
         "OMP_NUM_THREADS": "1",
         "CUDA_VISIBLE_DEVICES": "",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": "2",
         "LOCAL_WORLD_SIZE": "2",
     }

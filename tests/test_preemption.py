@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 import warnings
@@ -21,6 +20,7 @@ import torch
 import nvtrain
 from nvtrain import StepScheduler
 from nvtrain.preemption import PreemptionWatcher, resolve_signals
+from nvtrain.testing import free_port
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
 
@@ -197,12 +197,6 @@ def test_a_signal_after_the_last_poll_is_reported_not_acted_on(
 # -- two ranks, one signal ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class _KillRankZero:
     """Sends SIGUSR1 to rank 0 itself while step ``at_step + 1`` is being computed."""
 
@@ -275,7 +269,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def _spawn_bounded(out_dir: str, timeout_s: float) -> None:
-    context = torch.multiprocessing.spawn(_worker, args=(2, _free_port(), out_dir), nprocs=2, join=False)
+    context = torch.multiprocessing.spawn(_worker, args=(2, free_port(), out_dir), nprocs=2, join=False)
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=5):
         if time.monotonic() > deadline:

@@ -12,7 +12,6 @@ rank, whose saved states differ between the ranks, so each rank must get its own
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 import warnings
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, DistributedSampler
 
+from nvtrain.testing import free_port
 from tests.resume_helpers import CountingDataset, CountingStream, RecordSamples, make_strategy
 
 pytestmark = pytest.mark.slow
@@ -101,15 +101,9 @@ def _rank(rank: int, port: int, out_dir: str, resume: bool) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _spawn(out_dir: Path, resume: bool, timeout_s: float = 120) -> None:
     for attempt in range(2):
-        context = mp.spawn(_rank, args=(_free_port(), str(out_dir), resume), nprocs=WORLD_SIZE, join=False)
+        context = mp.spawn(_rank, args=(free_port(), str(out_dir), resume), nprocs=WORLD_SIZE, join=False)
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=1):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import torch
 
 import nvtrain
 from nvtrain import LRSchedule, StepScheduler
+from nvtrain.testing import free_port
 
 DEVICE = "cpu"
 
@@ -121,12 +121,6 @@ class StopDuringStep:
             ctx.request_stop("enough")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -149,7 +143,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 def test_a_stop_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    context = torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False)
+    context = torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False)
     deadline = time.monotonic() + 120
     while not context.join(timeout=5):
         if time.monotonic() > deadline:

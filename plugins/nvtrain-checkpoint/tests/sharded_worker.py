@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nvtrain
 from nvtrain.step_scheduler import StepSchedulerConfig
+from nvtrain.testing import scenario_ports
 
 STEPS = 8
 
@@ -240,12 +241,12 @@ SCENARIOS = {
 
 
 def main(out_dir: Path, scenarios: list[str]) -> None:
-    ports = [p for p in os.environ.get("NVTRAIN_TEST_PORTS", "").split(",") if p]
+    ports = scenario_ports()
     torch.set_num_threads(1)
     for index, spec in enumerate(scenarios):
         name, _, arg = spec.partition("=")
         if ports:
-            os.environ["MASTER_PORT"] = ports[index]
+            os.environ["MASTER_PORT"] = str(ports[index])
         nvtrain.DistributedManager.initialize(device="cpu")
         out = out_dir / {"fault": f"fault-{arg}", "resume": f"resume-{index}", "resume_auto": f"resume-{index}"}.get(
             name, name

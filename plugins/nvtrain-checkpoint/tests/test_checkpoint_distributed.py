@@ -4,24 +4,19 @@ it and gets its own RNG state back; without rank_zero_only each rank writes and 
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from nvtrain.testing import free_port
+
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_two_gloo_ranks(tmp_path: Path, run_driver: Callable[..., str]) -> None:
-    run_driver("gloo", str(tmp_path), str(_free_port()), str(tmp_path / "report"), timeout=150)
+    run_driver("gloo", str(tmp_path), str(free_port()), str(tmp_path / "report"), timeout=150)
     reports: list[dict[str, Any]] = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in (0, 1)]
     every_third = [3, 6, 9, 12, 15, 18]
 

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +25,7 @@ from nvtrain_checkpoint import CheckpointHook, latest_checkpoint, list_checkpoin
 from nvtrain_checkpoint.storage import LATEST_NAME, TMP_PREFIX
 
 from nvtrain.errors import ResumeError
+from nvtrain.testing import kill_ranks, start_ranks, wait_ranks
 
 pytest.importorskip("nvtrain_fsdp")  # the ranks shard their model with the FSDP plugin
 
@@ -35,76 +33,18 @@ pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TIMEOUT_S = 180
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _start(out: Path, *scenarios: str) -> list[subprocess.Popen[str]]:
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("NVTRAIN_")}
-    env |= {
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "MASTER_ADDR": "127.0.0.1",
-        "WORLD_SIZE": "2",
-        "LOCAL_WORLD_SIZE": "2",
-        "NVTRAIN_TEST_PORTS": ",".join(str(_free_port()) for _ in scenarios),
-    }
-    return [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), *scenarios],
-            env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for rank in (0, 1)
-    ]
-
-
-def _kill(procs: list[subprocess.Popen[str]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # no handler, no flush, no cleanup
-    for proc in procs:
-        proc.wait(timeout=60)
+    return start_ranks(WORKER, [str(out), *scenarios], scenarios=len(scenarios))
 
 
 def launch(out: Path, *scenarios: str) -> None:
-    procs = _start(out, *scenarios)
-    try:
-        outputs = [proc.communicate(timeout=TIMEOUT_S)[0] for proc in procs]
-    except subprocess.TimeoutExpired:
-        _kill(procs)
-        pytest.fail(f"the ranks did not finish {scenarios} within {TIMEOUT_S} s")
-    for proc, output in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, f"a rank exited with {proc.returncode}:\n{output[-6000:]}"
+    wait_ranks(_start(out, *scenarios), TIMEOUT_S)
 
 
 def results(out: Path) -> list[dict[str, Any]]:
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
-
-
-def assert_same(expected: Any, actual: Any, path: str = "") -> None:
-    """Bitwise equality of nested results: ``torch.equal`` (and the dtype) for tensors, ``==`` for the rest."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and expected.dtype == actual.dtype, f"{path}: not the same dtype"
-        assert torch.equal(expected, actual), f"{path}: tensors differ"
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and set(expected) == set(actual), f"{path}: keys differ"
-        for key in expected:
-            assert_same(expected[key], actual[key], f"{path}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert isinstance(actual, (list, tuple)) and len(expected) == len(actual), f"{path}: lengths differ"
-        for index, (a, b) in enumerate(zip(expected, actual, strict=True)):
-            assert_same(a, b, f"{path}[{index}]")
-    else:
-        assert expected == actual, f"{path}: {expected!r} != {actual!r}"
 
 
 def _worker() -> ModuleType:
@@ -143,16 +83,16 @@ def test_every_rank_writes_its_shards_and_the_manifest_lists_them(saved: Path) -
     assert not [entry for entry in root.iterdir() if entry.name.startswith(TMP_PREFIX)]
 
 
-def test_async_save_publishes_the_same_checkpoints_and_keeps_the_last_two(saved: Path) -> None:
+def test_async_save_publishes_the_same_checkpoints_and_keeps_the_last_two(driver: ModuleType, saved: Path) -> None:
     root = saved / "async" / "checkpoints"
     assert [info.step for info in list_checkpoints(root)] == [6, 8]
     assert (root / LATEST_NAME).read_text().strip() == "step_8"
     run, sync = results(saved / "async"), results(saved / "save")
     for rank in (0, 1):
         assert run[rank]["last_checkpoint_index"] == 8
-        assert_same(sync[rank]["snapshots"], run[rank]["snapshots"])  # saving in the background changes nothing
+        driver.assert_same(sync[rank]["snapshots"], run[rank]["snapshots"])  # saving in the background changes nothing
     exported = CheckpointHook(root).export(saved / "async-final.pt")
-    assert_same(sync[0]["snapshots"][8]["weights"], torch.load(exported, weights_only=True))
+    driver.assert_same(sync[0]["snapshots"][8]["weights"], torch.load(exported, weights_only=True))
 
 
 def test_rank_zero_only_false_is_refused_for_sharded_models(saved: Path) -> None:
@@ -162,12 +102,14 @@ def test_rank_zero_only_false_is_refused_for_sharded_models(saved: Path) -> None
         assert "set rank_zero_only=True" in result["error"]
 
 
-def test_export_consolidates_the_shards_into_one_plain_state_dict(saved: Path, tmp_path: Path) -> None:
+def test_export_consolidates_the_shards_into_one_plain_state_dict(
+    driver: ModuleType, saved: Path, tmp_path: Path
+) -> None:
     make_model = _worker().make_model
     path = CheckpointHook(saved / "save" / "checkpoints").export(tmp_path / "model.pt", saved / "save" / "checkpoints" / "step_4")
     weights = torch.load(path, weights_only=True)
     assert all(type(t) is torch.Tensor for t in weights.values())
-    assert_same(results(saved / "save")[0]["snapshots"][4]["weights"], weights)
+    driver.assert_same(results(saved / "save")[0]["snapshots"][4]["weights"], weights)
     make_model().load_state_dict(weights)  # strict: the plain model's keys
 
 
@@ -182,24 +124,30 @@ def resumed(saved: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_load_checkpoint_restores_a_sharded_checkpoint_before_any_run(saved: Path, resumed: Path) -> None:
+def test_load_checkpoint_restores_a_sharded_checkpoint_before_any_run(
+    driver: ModuleType, saved: Path, resumed: Path
+) -> None:
     uninterrupted = results(saved / "save")
     for rank, result in enumerate(results(resumed / "load_checkpoint")):
         # weights, optimizer state, LR, EMA and counters of step 4, readable as load_checkpoint returns
-        assert_same(uninterrupted[rank]["snapshots"][4], result["loaded"])
+        driver.assert_same(uninterrupted[rank]["snapshots"][4], result["loaded"])
 
 
-def test_two_ranks_resume_bitwise_and_finish_like_the_uninterrupted_run(saved: Path, resumed: Path) -> None:
+def test_two_ranks_resume_bitwise_and_finish_like_the_uninterrupted_run(
+    driver: ModuleType, saved: Path, resumed: Path
+) -> None:
     uninterrupted = results(saved / "save")
     for rank, result in enumerate(results(resumed / "resume-0")):
         # weights, optimizer state (gathered, by parameter name), LR, EMA and counters as saved at step 4
-        assert_same(uninterrupted[rank]["snapshots"][4], result["first"])
+        driver.assert_same(uninterrupted[rank]["snapshots"][4], result["first"])
         # and training goes on to the very same step 8
-        assert_same(uninterrupted[rank]["snapshots"][8], result["snapshots"][8])
+        driver.assert_same(uninterrupted[rank]["snapshots"][8], result["snapshots"][8])
         assert result["step_count"] == 8
 
 
-def test_one_process_loads_the_two_rank_checkpoint_resharded(saved: Path, tmp_path: Path) -> None:
+def test_one_process_loads_the_two_rank_checkpoint_resharded(
+    driver: ModuleType, saved: Path, tmp_path: Path
+) -> None:
     worker = _worker()
     step_4 = saved / "save" / "checkpoints" / "step_4"
     ema = worker.EMAHook(decay=0.5)
@@ -218,7 +166,7 @@ def test_one_process_loads_the_two_rank_checkpoint_resharded(saved: Path, tmp_pa
         assert hook.load_into(strategy, step_4, data_position=False) == step_4
         loaded = worker.snapshot_of(strategy, ema)
         assert all(type(p) is torch.nn.Parameter for p in strategy.ctx.models["main"].parameters())  # plain
-    assert_same(results(saved / "save")[0]["snapshots"][4], loaded)
+    driver.assert_same(results(saved / "save")[0]["snapshots"][4], loaded)
 
 
 # -- SIGKILL during a sharded save ---------------------------------------------------------------------------
@@ -248,7 +196,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     pytest.fail(f"{point}: the job did not reach the fault point in time")
                 time.sleep(0.05)
         finally:
-            _kill(procs)
+            kill_ranks(procs)
     return base
 
 
@@ -272,14 +220,14 @@ def continued(killed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("index", range(len(FAULTS)))
 def test_auto_resume_after_a_kill_finishes_like_the_uninterrupted_run(
-    index: int, killed: Path, continued: Path, saved: Path
+    driver: ModuleType, index: int, killed: Path, continued: Path, saved: Path
 ) -> None:
     point = sorted(FAULTS)[index]
     root = killed / f"fault-{point}" / "checkpoints"
     uninterrupted = results(saved / "save")
     for rank, result in enumerate(results(continued / f"resume-{index}")):
         assert result["first"]["step_count"] == 2  # the newest checkpoint latest names
-        assert_same(uninterrupted[rank]["snapshots"][8], result["snapshots"][8])
+        driver.assert_same(uninterrupted[rank]["snapshots"][8], result["snapshots"][8])
     assert not [entry.name for entry in root.iterdir() if entry.name.startswith((TMP_PREFIX, ".trash-"))]
     assert [info.step for info in list_checkpoints(root)] == [2, 4, 6, 8]
     assert (root / LATEST_NAME).read_text().strip() == "step_8"

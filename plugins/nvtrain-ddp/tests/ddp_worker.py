@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 import nvtrain
+from nvtrain.testing import scenario_ports
 
 LR = 0.1
 
@@ -315,11 +316,11 @@ SCENARIOS = {f.__name__: f for f in (equivalence, accumulation, sampler, spike_s
 
 
 def main(out_dir: Path, scenarios: list[str]) -> None:
-    ports = [p for p in os.environ.get("NVTRAIN_TEST_PORTS", "").split(",") if p]
+    ports = scenario_ports()
     torch.set_num_threads(1)
     for index, name in enumerate(scenarios):
         if ports:
-            os.environ["MASTER_PORT"] = ports[index]
+            os.environ["MASTER_PORT"] = str(ports[index])
         out = out_dir / name
         out.mkdir(parents=True, exist_ok=True)
         SCENARIOS[name](out)

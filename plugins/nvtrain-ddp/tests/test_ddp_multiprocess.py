@@ -8,9 +8,6 @@ processes dominates the time).
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from nvtrain.testing import rank_environment, run_ranks, wait_ranks
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 TIMEOUT_S = 90
@@ -27,59 +26,9 @@ ATOL = 1e-6
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _base_env(cuda: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
-    env["OMP_NUM_THREADS"] = "1"
-    if not cuda:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the gloo tests stay on the CPU on GPU machines too
-    return env
-
-
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _wait(procs: list[subprocess.Popen[str]]) -> list[str]:
-    outputs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"distributed workers did not finish within {TIMEOUT_S} s")
-    for proc, out in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, f"worker exited with {proc.returncode}:\n{out}"
-    return outputs
-
-
 def launch(out: Path, *scenarios: str, nprocs: int = 2) -> None:
     """Start ``nprocs`` ranks directly on the CPU, with the environment torchrun would give them."""
-    env = _base_env(cuda=False) | {
-        "MASTER_ADDR": "127.0.0.1",
-        "WORLD_SIZE": str(nprocs),
-        "LOCAL_WORLD_SIZE": str(nprocs),
-        "NVTRAIN_TEST_PORTS": ",".join(str(_free_port()) for _ in scenarios),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), *scenarios],
-            env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for rank in range(nprocs)
-    ]
-    _wait(procs)
+    run_ranks(WORKER, [str(out), *scenarios], nprocs=nprocs, scenarios=len(scenarios), timeout_s=TIMEOUT_S)
 
 
 def launch_torchrun(out: Path, scenario: str, *, nprocs: int = 2, cuda: bool = False) -> None:
@@ -96,13 +45,13 @@ def launch_torchrun(out: Path, scenario: str, *, nprocs: int = 2, cuda: bool = F
     ]
     proc = subprocess.Popen(
         command,
-        env=_base_env(cuda),
+        env=rank_environment(cuda=cuda),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
-    _wait([proc])
+    wait_ranks([proc], TIMEOUT_S)
 
 
 def load(out: Path, name: str) -> dict[str, Any]:

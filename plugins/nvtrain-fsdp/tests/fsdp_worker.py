@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nvtrain
 from nvtrain.hooks import GradientAccumulationHook, GradientClippingHook, SpikeSkipHook
+from nvtrain.testing import scenario_ports
 
 LR = 0.01
 LOCAL_BATCH = 4
@@ -358,11 +359,11 @@ SCENARIOS = {f.__name__: f for f in (equivalence, accumulation, clipping, spike_
 
 
 def main(out_dir: Path, scenarios: list[str]) -> None:
-    ports = [p for p in os.environ.get("NVTRAIN_TEST_PORTS", "").split(",") if p]
+    ports = scenario_ports()
     torch.set_num_threads(1)
     for index, name in enumerate(scenarios):
         if ports:
-            os.environ["MASTER_PORT"] = ports[index]
+            os.environ["MASTER_PORT"] = str(ports[index])
         out = out_dir / name
         out.mkdir(parents=True, exist_ok=True)
         SCENARIOS[name](out)

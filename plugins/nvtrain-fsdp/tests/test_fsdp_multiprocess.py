@@ -9,9 +9,6 @@ scenarios in turn, since starting processes dominates the time.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from nvtrain.testing import rank_environment, run_ranks
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 TIMEOUT_S = 180
@@ -29,58 +28,9 @@ UNITS = 2
 
 pytestmark = pytest.mark.slow
 
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("NVTRAIN_")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU on GPU machines too
-    return env
-
-
-def _wait(procs: list[subprocess.Popen[str]]) -> list[str]:
-    outputs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"distributed workers did not finish within {TIMEOUT_S} s")
-    for proc, out in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, f"worker exited with {proc.returncode}:\n{out[-6000:]}"
-    return outputs
-
-
 def launch(worker: Path, out: Path, *scenarios: str, nprocs: int = 2) -> None:
     """Start ``nprocs`` ranks of ``worker`` on the CPU, with the environment torchrun would give them."""
-    env = _base_env() | {
-        "MASTER_ADDR": "127.0.0.1",
-        "WORLD_SIZE": str(nprocs),
-        "LOCAL_WORLD_SIZE": str(nprocs),
-        "NVTRAIN_TEST_PORTS": ",".join(str(_free_port()) for _ in scenarios),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(out), *scenarios],
-            env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for rank in range(nprocs)
-    ]
-    _wait(procs)
+    run_ranks(worker, [str(out), *scenarios], nprocs=nprocs, scenarios=len(scenarios), timeout_s=TIMEOUT_S)
 
 
 def load(out: Path, name: str) -> dict[str, Any]:
@@ -222,7 +172,7 @@ def test_nvtrain_train_under_torchrun_shards_with_hooks_fsdp(tmp_path: Path) -> 
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "nvtrain", "train", str(config), "--set", f"output_dir={tmp_path / 'out'}",
     ]  # fmt: skip
-    process = subprocess.run(command, cwd=tmp_path, env=_base_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    process = subprocess.run(command, cwd=tmp_path, env=rank_environment(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert process.returncode == 0, (process.stdout + process.stderr)[-6000:]
     run = tmp_path / "out" / "digits-fsdp"
     rows = (run / "metrics.csv").read_text(encoding="utf-8").splitlines()

@@ -1,0 +1,140 @@
+"""Multi-process tests on one machine: ranks started as torchrun starts them, on the CPU (gloo).
+
+For testing a plugin across ranks without a cluster or a GPU. Each rank is a fresh
+interpreter running a worker script (never a fork: autograd's threads do not survive
+one), with the variables torchrun gives it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+...). Several scenarios can share one launch, since starting processes dominates the
+time: each gets its own free port, listed in ``NVTRAIN_TEST_PORTS`` (read them with
+:func:`scenario_ports` in the worker) so that every scenario opens its own process group.
+
+The ranks inherit this process's environment without torchrun's variables and without
+``NVTRAIN_*`` settings, with one intra-op thread and, unless ``cuda=True``, no visible
+GPU: on a machine with one, the test still runs the gloo path it was written for.
+
+    outputs = run_ranks(Path(__file__).with_name("worker.py"), [str(tmp_path), "scenario"])
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+__all__ = [
+    "PORTS_VARIABLE",
+    "RanksFailed",
+    "free_port",
+    "kill_ranks",
+    "rank_environment",
+    "run_ranks",
+    "scenario_ports",
+    "start_ranks",
+    "wait_ranks",
+]
+
+#: Where the ranks find one port per scenario (comma-separated).
+PORTS_VARIABLE = "NVTRAIN_TEST_PORTS"
+_TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: How much of a failed rank's output a failure message quotes (its end, where the traceback is).
+_OUTPUT_TAIL = 6000
+
+
+class RanksFailed(AssertionError):
+    """A rank exited with an error or the ranks ran out of time; the message quotes their output."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_environment(*, cuda: bool = False) -> dict[str, str]:
+    """This process's environment as a rank should start with it (see the module docstring)."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in _TORCHRUN_VARIABLES and not key.startswith("NVTRAIN_")
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def scenario_ports() -> list[int]:
+    """In a rank: the ports :func:`start_ranks` chose, one per scenario, in order."""
+    return [int(port) for port in os.environ.get(PORTS_VARIABLE, "").split(",") if port]
+
+
+def start_ranks(
+    script: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    *,
+    nprocs: int = 2,
+    scenarios: int = 1,
+    cuda: bool = False,
+) -> list[subprocess.Popen[str]]:
+    """Start ``nprocs`` ranks of ``python script *args``, each in its own process group (so a kill
+    reaches everything it started); ``scenarios`` free ports go to :data:`PORTS_VARIABLE`."""
+    env = rank_environment(cuda=cuda) | {
+        "MASTER_ADDR": "127.0.0.1",
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        PORTS_VARIABLE: ",".join(str(free_port()) for _ in range(scenarios)),
+    }
+    return [
+        subprocess.Popen(
+            [sys.executable, os.fspath(script), *args],
+            env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(nprocs)
+    ]
+
+
+def kill_ranks(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """SIGKILL every rank still running (with whatever it started) and reap them: no handler runs."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        proc.wait(timeout=60)
+
+
+def wait_ranks(procs: Sequence[subprocess.Popen[str]], timeout_s: float) -> list[str]:
+    """Each rank's output once all exited with status 0.
+
+    :raises RanksFailed: when one did not (quoting the end of its output), or when they are
+        still running after ``timeout_s`` seconds (they are killed first).
+    """
+    try:
+        outputs = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
+    except subprocess.TimeoutExpired:
+        kill_ranks(procs)
+        raise RanksFailed(f"the ranks did not finish within {timeout_s:g} s") from None
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        if proc.returncode != 0:
+            raise RanksFailed(f"rank {rank} exited with status {proc.returncode}:\n{output[-_OUTPUT_TAIL:]}")
+    return outputs
+
+
+def run_ranks(
+    script: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    *,
+    nprocs: int = 2,
+    scenarios: int = 1,
+    cuda: bool = False,
+    timeout_s: float = 180,
+) -> list[str]:
+    """:func:`start_ranks`, then :func:`wait_ranks`: each rank's output, or :class:`RanksFailed`."""
+    return wait_ranks(start_ranks(script, args, nprocs=nprocs, scenarios=scenarios, cuda=cuda), timeout_s)
+

@@ -1,0 +1,77 @@
+"""nvtrain.testing: ranks started as torchrun starts them, failures and time-outs reported with the rank's output."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from nvtrain.testing import RanksFailed, free_port, run_ranks, start_ranks, wait_ranks
+
+REPORT = textwrap.dedent(
+    """
+    import json, os, sys
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NVTRAIN_PLUGINS")
+    from nvtrain.testing import scenario_ports
+    print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "ports": scenario_ports(), "args": sys.argv[1:]}))
+    """
+)
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "rank.py"
+    path.write_text(body)
+    return path
+
+
+def test_each_rank_gets_torchruns_variables_and_its_own_ports_per_scenario(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MASTER_PORT", "1")  # a launcher's own torchrun variables do not leak into the ranks
+    monkeypatch.setenv("NVTRAIN_PLUGINS", "amp")  # nor does its nvtrain configuration
+    outputs = run_ranks(_script(tmp_path, REPORT), ["a", "b"], nprocs=3, scenarios=2, timeout_s=60)
+    reports = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    assert [r["env"]["RANK"] for r in reports] == ["0", "1", "2"]
+    assert [r["env"]["LOCAL_RANK"] for r in reports] == ["0", "1", "2"]
+    for report in reports:
+        assert report["args"] == ["a", "b"]
+        env = report["env"]
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"]) == ("3", "3", "127.0.0.1")
+        assert env["MASTER_PORT"] is None and env["NVTRAIN_PLUGINS"] is None
+        assert env["CUDA_VISIBLE_DEVICES"] == "" and env["OMP_NUM_THREADS"] == "1"
+        assert report["ports"] == reports[0]["ports"] and len(set(report["ports"])) == 2
+
+
+def test_cuda_true_leaves_the_gpus_visible(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    outputs = run_ranks(_script(tmp_path, REPORT), nprocs=1, cuda=True, timeout_s=60)
+    assert json.loads(outputs[0].strip().splitlines()[-1])["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_a_failing_rank_is_named_with_the_end_of_its_output(tmp_path: Path) -> None:
+    script = _script(tmp_path, "import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit('rank one gave up')\n")
+    with pytest.raises(RanksFailed, match=r"rank 1 exited with status 1:\nrank one gave up"):
+        run_ranks(script, timeout_s=60)
+
+
+def test_ranks_that_run_too_long_are_killed(tmp_path: Path) -> None:
+    script = _script(tmp_path, "import time\ntime.sleep(120)\n")
+    procs = start_ranks(script)
+    started = time.monotonic()
+    with pytest.raises(RanksFailed, match=r"the ranks did not finish within 0.5 s"):
+        wait_ranks(procs, 0.5)
+    assert time.monotonic() - started < 60
+    assert all(proc.returncode is not None and proc.returncode < 0 for proc in procs)  # killed, and reaped
+
+
+def test_free_port_can_be_bound() -> None:
+    import socket
+
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+    assert 0 < port < 65536
