@@ -28,7 +28,9 @@ parameters), ``small`` MLP 256->1024->256 batch 64 (launch-bound), ``tiny``
    bytes written and the write throughput; the wait for the last write at the
    end of the run; whole-run ratios against the durable hand-written loop; and,
    for ``async_save``, the median step time while a write runs in the background
-   against steps with none (host-side intervals between batch hand-outs).
+   against steps with none (host-side intervals between batch hand-outs). Both
+   background writers are measured: the writer process (the default) and a
+   thread of the training process (``async_writer="thread"``).
 3. **No host-device synchronisation** (CUDA only) on a step that neither logs
    nor checkpoints: those steps run under ``torch.cuda.set_sync_debug_mode("error")``,
    which raises on any synchronising call. The mode is switched on at
@@ -262,16 +264,17 @@ class _StopwatchEnd:
 
 @contextlib.contextmanager
 def timing_the_writer(logs: dict[str, SaveLog], current: list[str]) -> Iterator[bool]:
-    """Wrap the checkpoint plugin's ``save_checkpoint`` (whichever thread runs it); yields whether it could."""
+    """Time every write: the checkpoint plugin's ``save_checkpoint`` in this process (sync saves and the
+    writer thread) and the hand-over to its writer process (from the hand-over to the answer, not counting
+    the writer's start-up). Yields whether it could."""
     try:
         from nvtrain_checkpoint import storage
+        from nvtrain_checkpoint.writer_process import WriterProcess
     except ImportError:
         yield False
         return
-    original = getattr(storage, "save_checkpoint", None)
-    if original is None:
-        yield False
-        return
+    original = storage.save_checkpoint
+    handed_over = WriterProcess.save
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         log = logs[current[0]]
@@ -280,11 +283,21 @@ def timing_the_writer(logs: dict[str, SaveLog], current: list[str]) -> Iterator[
         log.wrote(start, time.perf_counter_ns())
         return result
 
+    def timed_handover(process: WriterProcess, *args: Any, **kwargs: Any) -> Any:
+        process.wait_until_ready()  # a run's first save may find the writer still importing torch
+        log = logs[current[0]]
+        start = time.perf_counter_ns()
+        result = handed_over(process, *args, **kwargs)
+        log.wrote(start, time.perf_counter_ns())
+        return result
+
     storage.save_checkpoint = timed
+    WriterProcess.save = timed_handover  # type: ignore[method-assign]
     try:
         yield True
     finally:
         storage.save_checkpoint = original
+        WriterProcess.save = handed_over  # type: ignore[method-assign]
 
 
 class ClockedBatches:
@@ -396,10 +409,16 @@ def checkpoint_cost(
     batches = make_batches(spec, steps, device=device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     precision = "bf16" if device.type == "cuda" else "fp32"
-    names = ("hand-written, durable save", "nvtrain, checkpoint (sync)", "nvtrain, checkpoint (async)")
+    names = (
+        "hand-written, durable save",
+        "nvtrain, checkpoint (sync)",
+        "nvtrain, checkpoint (async)",
+        "nvtrain, checkpoint (async, thread)",
+    )
     logs = {name: SaveLog() for name in names}
     current = [names[0]]
     clocked = ClockedBatches(batches)
+    clocked_thread = ClockedBatches(batches)
     last_step = steps + 1  # the warm-up step is 1; the timed run's steps are 2 .. steps + 1
 
     def fresh(name: str) -> Path:
@@ -413,11 +432,13 @@ def checkpoint_cost(
         log = logs[names[0]]
         return hand_written_stack(device, dtype, save=(fresh(names[0]), every, last_step, log))
 
-    def nvtrain_stack(name: str, async_save: bool) -> Callable[[], list[object]]:
+    def nvtrain_stack(name: str, async_save: bool, writer: str = "process") -> Callable[[], list[object]]:
         def hooks() -> list[object]:
             root = fresh(name)
             stopwatch = _SaveStopwatch(device, every, logs[name])
             settings = {"checkpoint_dir": root, "step_interval": every, "async_save": async_save}
+            if async_save:
+                settings["async_writer"] = writer
             return [*standard_stack(precision, settings), stopwatch, stopwatch.stop]
 
         return hooks
@@ -431,6 +452,9 @@ def checkpoint_cost(
         ),
         names[1]: strategy_workload(spec, batches, nvtrain_stack(names[1], False), device=device),
         names[2]: strategy_workload(spec, cast(Sequence[Any], clocked), nvtrain_stack(names[2], True), device=device),
+        names[3]: strategy_workload(
+            spec, cast(Sequence[Any], clocked_thread), nvtrain_stack(names[3], True, "thread"), device=device
+        ),
     }
     with timing_the_writer(logs, current) as writer_timed:
         timings = measure(workloads, rounds=rounds)
@@ -450,6 +474,8 @@ def checkpoint_cost(
         "ratio_sync_vs_hand_written_durable": ratio(timings[names[1]], baseline).to_dict(),
         "ratio_async_vs_hand_written_durable": ratio(timings[names[2]], baseline).to_dict(),
         "async_steps_during_writes": steps_during_writes(clocked, logs[names[2]]),
+        "ratio_async_thread_vs_hand_written_durable": ratio(timings[names[3]], baseline).to_dict(),
+        "async_thread_steps_during_writes": steps_during_writes(clocked_thread, logs[names[3]]),
     }
 
 
@@ -617,15 +643,17 @@ def print_report(report: dict[str, Any]) -> None:
             )
         print(f"    sync save / durable hand-written:  {_ratio_text(ckpt['ratio_sync_vs_hand_written_durable'])}")
         print(f"    async save / durable hand-written: {_ratio_text(ckpt['ratio_async_vs_hand_written_durable'])}")
-        during = ckpt["async_steps_during_writes"]
-        if "ratio" in during:
-            print(
-                f"    async: steps during a write {during['step_us_during_writes']:.1f} us vs "
-                f"{during['step_us_without']:.1f} us without ({during['ratio']:.3f}x; "
-                f"{during['steps_during_writes']} / {during['steps_without']} steps)"
-            )
-        else:
-            print(f"    async: too few steps during a write to compare ({during})")
+        print(f"    (writer thread) / hand-written:    {_ratio_text(ckpt['ratio_async_thread_vs_hand_written_durable'])}")
+        for label_, key in (("async", "async_steps_during_writes"), ("async, thread", "async_thread_steps_during_writes")):
+            during = ckpt[key]
+            if "ratio" in during:
+                print(
+                    f"    {label_}: steps during a write {during['step_us_during_writes']:.1f} us vs "
+                    f"{during['step_us_without']:.1f} us without ({during['ratio']:.3f}x; "
+                    f"{during['steps_during_writes']} / {during['steps_without']} steps)"
+                )
+            else:
+                print(f"    {label_}: too few steps during a write to compare ({during})")
         if "sync_check" in model:
             print(f"  sync check: {model['sync_check']}")
     fsdp = report.get("fsdp")

@@ -103,6 +103,9 @@ def test_cpu_smoke_run_reports_loop_and_checkpoint_cost_apart(tmp_path: Path) ->
     assert checkpoint["ratio_sync_vs_hand_written_durable"]["median"] > 0
     assert checkpoint["ratio_async_vs_hand_written_durable"]["median"] > 0
     assert "steps_during_writes" in checkpoint["async_steps_during_writes"]
+    assert "steps_during_writes" in checkpoint["async_thread_steps_during_writes"]
+    assert checkpoint["ratio_async_thread_vs_hand_written_durable"]["median"] > 0
+    assert checkpoint["saves"]["nvtrain, checkpoint (async, thread)"]["saves"] > 0
 
 
 # -- benchmarks/gpu_suite.sh ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,9 +18,10 @@ import torch
 import nvtrain
 from nvtrain.hook import DEFAULT_PRIORITY
 from nvtrain.state import capture_rng_state, capture_state, load_state, strategy_hooks
-from nvtrain.validators import FieldTypeError, optional_int_at_least, refused, strict_bool, strict_int
-from nvtrain_checkpoint import sharded, storage
+from nvtrain.validators import FieldTypeError, one_of, optional_int_at_least, refused, strict_bool, strict_int
+from nvtrain_checkpoint import sharded, storage, writer_process
 from nvtrain_checkpoint.snapshot import snapshot
+from nvtrain_checkpoint.staging import Stager, shared_memory_supported
 from nvtrain_checkpoint.writer import BackgroundWriter
 
 __all__ = ["CheckpointHook"]
@@ -28,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 NEVER = "never"
 AUTO = "auto"
+#: ``async_writer`` values: where a background save serialises, hashes and fsyncs.
+PROCESS = "process"
+THREAD = "thread"
 
 
 def _as_dir(value: Any) -> Path:
@@ -56,8 +61,12 @@ class CheckpointHook:
     AFTER_TRAINING. Only real steps save, and never twice for one ``step_count``.
 
     ``async_save`` snapshots the state (copies it off the live tensors) on the
-    training thread, then writes on a background thread; the next save, the end of
-    the run and ``close()`` wait for it. ``rank_zero_only`` lets only global rank 0
+    training thread, then writes in the background; the next save, the end of
+    the run and ``close()`` wait for it. ``async_writer`` says where:
+    ``"process"`` (the default on Linux) stages the snapshot in shared memory and
+    has a writer process serialise, hash and fsync it, so the write takes nothing
+    the training thread needs (not even the GIL); ``"thread"`` writes on a thread
+    of this process (and is what other platforms get). ``rank_zero_only`` lets only global rank 0
     write (the other ranks wait for it); otherwise every rank writes its own
     ``rank_<r>/`` tree. ``keep_last_n`` keeps that many complete checkpoints (and
     always the one ``latest`` names). ``resume``: ``"never"``, ``"auto"`` (continue
@@ -73,6 +82,7 @@ class CheckpointHook:
     step_interval: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     epoch_interval: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     async_save: bool = attrs.field(default=False, validator=strict_bool)
+    async_writer: str = attrs.field(default=PROCESS, validator=one_of((PROCESS, THREAD)))
     rank_zero_only: bool = attrs.field(default=True, validator=strict_bool)
     last_checkpoint_index: int | None = attrs.field(default=None, validator=optional_int_at_least(0))
     keep_last_n: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
@@ -84,6 +94,10 @@ class CheckpointHook:
     run_config: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
 
     _writer: BackgroundWriter = attrs.field(init=False, factory=BackgroundWriter, repr=False)
+    #: async_writer="process": the writer process (from the idle ones; handed back at close()), and the
+    #: shared-memory arena saves are staged in.
+    _process: writer_process.WriterProcess | None = attrs.field(init=False, default=None, repr=False)
+    _stager: Stager = attrs.field(init=False, factory=Stager, repr=False)
     _saved_step: int | None = attrs.field(init=False, default=None, repr=False)
     _plugins: dict[str, dict[str, str]] | None = attrs.field(init=False, default=None, repr=False)
     #: async_save: the snapshot last handed to the writer; the next one copies into its buffers.
@@ -174,6 +188,8 @@ class CheckpointHook:
         self._root = self.checkpoint_root(ctx)
         self._saved_step = ctx.step_count if ctx.step_count else None
         self._after_validation_save = False
+        if self.async_save and self._writes(ctx) and self._in_process_writer():
+            self._writer_process().start()  # a new one imports torch while the run starts, not at the first save
         if ctx.step_count != 0:
             return  # restored already (load_checkpoint) or a second run(): the in-memory state is current
         path = self._resume_path(ctx)
@@ -238,10 +254,31 @@ class CheckpointHook:
         self._writer.wait()
 
     def close(self) -> None:
-        """Flush and stop the background thread (the strategy calls this on exit, also after an error)."""
+        """Flush, stop the background thread and hand the writer process back (the strategy calls this on
+        exit, also after an error). The writer is kept for a later run in this process; idle ones exit with it."""
         self._reusable = None
-        self._writer.close()
-        self._sharded.close()
+        try:
+            self._writer.close()
+        finally:
+            process, self._process = self._process, None
+            if process is not None:
+                writer_process.release(process)  # kept for a later run in this process
+            self._stager.release()
+            self._sharded.close()
+
+    def _writer_process(self) -> writer_process.WriterProcess:
+        if self._process is None:
+            self._process = writer_process.acquire()
+        return self._process
+
+    def _in_process_writer(self) -> bool:
+        """Does a background save go to the writer process (``async_writer="process"`` where it can)?"""
+        if self.async_writer != PROCESS:
+            return False
+        if shared_memory_supported():
+            return True
+        _warn_no_process_writer()
+        return False
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -282,18 +319,17 @@ class CheckpointHook:
                 state["rng_by_rank"] = gathered
             # The previous write is complete (waited for above), so its buffers are free to take the new
             # copy. A synchronous save writes before training resumes: host tensors need no copy.
-            copied = snapshot(state, reuse=self._reusable, copy_host=self.async_save)
-            job = functools.partial(
-                storage.save_checkpoint,
-                self.checkpoint_root(ctx),
-                step,
-                copied,
-                self._metadata(ctx),
-                self.keep_last_n,
-            )
+            root, metadata = self.checkpoint_root(ctx), self._metadata(ctx)
+            job: Callable[[], Path]
+            if self.async_save and self._in_process_writer():
+                staged = self._stager.stage(state)  # into shared memory, for the writer process
+                job = functools.partial(self._writer_process().save, staged, root, step, metadata, self.keep_last_n)
+            else:
+                copied = snapshot(state, reuse=self._reusable, copy_host=self.async_save)
+                self._reusable = copied if self.async_save else None
+                job = functools.partial(storage.save_checkpoint, root, step, copied, metadata, self.keep_last_n)
             if self.async_save:
                 self._writer.submit(job, storage.checkpoint_name(step), functools.partial(self._written, step))
-                self._reusable = copied
             else:
                 job()
                 self._mark_saved(step)
@@ -402,6 +438,15 @@ def _newest_intact(root: Path, *, warn: bool) -> Path | None:
     if skipped and chosen is not None and warn:
         logger.warning("resume: passing over %s; resuming from %s instead", "; ".join(skipped), chosen)
     return chosen
+
+
+@functools.cache
+def _warn_no_process_writer() -> None:
+    warnings.warn(
+        f"CheckpointHook: async_writer='process' needs memfd shared memory (Linux); on {sys.platform} background "
+        "saves are written by a thread of this process instead (async_writer='thread')",
+        stacklevel=3,
+    )
 
 
 def _distributed(ctx: nvtrain.TrainingContext) -> bool:

@@ -35,21 +35,23 @@ def snapshot(state: Any, label: str = "state", reuse: Any = None, *, copy_host: 
 
     :raises TypeError: for a value no weights-only load can read back, naming where it sits.
     """
-    copier = _Copier(copy_host)
+    copier = Copier(copy_host)
     copied = copier.copy(state, reuse, label)
-    if copier.from_cuda:
-        torch.cuda.synchronize()
+    for device in copier.devices:  # every asynchronous copy has landed
+        torch.cuda.synchronize(device)
     return copied
 
 
-class _Copier:
-    """One snapshot's bookkeeping: copies by source tensor (sharing), buffers taken, CUDA involved."""
+class Copier:
+    """One snapshot: the walk over the state with its checks, and its bookkeeping (copies by source tensor,
+    so shared tensors stay shared; buffers taken; CUDA devices involved). :meth:`take` decides what stands
+    for each tensor; the staging for the writer process overrides it."""
 
     def __init__(self, copy_host: bool = True) -> None:
         self.copy_host = copy_host
         self.memo: dict[int, torch.Tensor] = {}
         self.taken: set[int] = set()
-        self.from_cuda = False
+        self.devices: set[torch.device] = set()
 
     def copy(self, value: Any, previous: Any, path: str) -> Any:
         kind = type(value)
@@ -79,7 +81,7 @@ class _Copier:
             return {self.copy(item, None, f"{path} (a set member)") for item in value}
         raise _refused(value, path)
 
-    def copy_tensor(self, tensor: torch.Tensor, previous: Any, path: str) -> torch.Tensor:
+    def copy_tensor(self, tensor: torch.Tensor, previous: Any, path: str) -> Any:
         known = self.memo.get(id(tensor))
         if known is not None:  # the same tensor twice (tied weights): one copy, still shared
             return known
@@ -87,12 +89,17 @@ class _Copier:
             raise _refused(tensor, path)
         if tensor.layout != torch.strided:
             raise TypeError(f"checkpoint: {path} is a {tensor.layout} tensor; only dense (strided) tensors are saved")
-        source = tensor.detach()
+        copy = self.take(tensor.detach(), previous)
+        self.memo[id(tensor)] = copy
+        return copy
+
+    def take(self, source: torch.Tensor, previous: Any) -> Any:
+        """What stands for ``source`` (already checked) in the snapshot: its copy, or itself."""
         on_host = source.device.type == "cpu"
         if on_host and not self.copy_host:
-            self.memo[id(tensor)] = source
             return source
-        self.from_cuda = self.from_cuda or not on_host
+        if not on_host:
+            self.devices.add(source.device)
         if self._fits(previous, source, on_host):
             copy = previous.copy_(source, non_blocking=not on_host)
         elif on_host:
@@ -103,7 +110,6 @@ class _Copier:
         else:
             copy = source.to("cpu", copy=True)
         self.taken.add(id(copy))
-        self.memo[id(tensor)] = copy
         return copy
 
     def _fits(self, previous: Any, source: torch.Tensor, on_host: bool) -> bool:

@@ -162,7 +162,9 @@ def fault(point: str, directory: str, marker: str) -> None:
         return original(*args, **kwargs)
 
     setattr(storage, target, hang)
-    hook = CheckpointHook(directory, step_interval=2, async_save=point == "during_write")
+    # during_write: a background thread dies with its process, half-way through; a writer process would
+    # go on and finish the write (test_checkpoint_writer_process covers what becomes of that)
+    hook = CheckpointHook(directory, step_interval=2, async_save=point == "during_write", async_writer="thread")
     with nvtrain.TrainingStrategy(**strategy_kwargs("plain", [hook])) as strategy:
         strategy.run(make_loader("plain"))
 
@@ -225,6 +227,15 @@ def _gloo_worker(rank: int, directory: str, port: int, out: str) -> None:
             return original(root, step, *args, **kwargs)
 
         storage.save_checkpoint = recording  # type: ignore[assignment]
+        from nvtrain_checkpoint.writer_process import WriterProcess
+
+        handed_over = WriterProcess.save
+
+        def recording_handover(process: WriterProcess, staged: Any, root: Any, step: int, *args: Any) -> Path:
+            written.append(step)  # an async save, written by the writer process
+            return handed_over(process, staged, root, step, *args)
+
+        WriterProcess.save = recording_handover  # type: ignore[method-assign]
         report: dict[str, Any] = {}
         for mode, rank_zero_only in (("shared", True), ("per_rank", False)):
             written.clear()

@@ -29,6 +29,7 @@ from nvtrain.step_scheduler import StepSchedulerConfig
         ({"epoch_interval": 1.5}, ValueError, r"CheckpointHook.epoch_interval must be an int >= 1 or None"),
         ({"keep_last_n": 0}, ValueError, r"CheckpointHook.keep_last_n must be an int >= 1 or None \(got 0\)"),
         ({"async_save": "yes"}, TypeError, r"CheckpointHook.async_save must be True or False \(got 'yes'\)"),
+        ({"async_writer": "fork"}, ValueError, r"CheckpointHook.async_writer must be 'process' or 'thread' \(got 'fork'\)"),
         ({"rank_zero_only": 1}, TypeError, r"CheckpointHook.rank_zero_only must be True or False"),
         ({"resume": 3}, ValueError, r"CheckpointHook.resume must be 'never', 'auto' or a checkpoint path \(got 3\)"),
         ({"checkpoint_dir": ""}, TypeError, r"CheckpointHook.checkpoint_dir must be a non-empty path"),
@@ -182,9 +183,12 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
 def test_async_and_sync_saves_write_identical_files(
-    driver: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    driver: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
+    """Training moves on (and changes the live tensors) while a background save writes; what it writes is
+    still, byte for byte, what a synchronous save of the same step writes."""
     driver.straight("plain", [CheckpointHook(tmp_path / "sync", step_interval=2)])
     events: list[tuple[str, int]] = []
     original = storage.save_checkpoint
@@ -196,14 +200,17 @@ def test_async_and_sync_saves_write_identical_files(
         events.append(("end", step))
         return path
 
-    monkeypatch.setattr(storage, "save_checkpoint", slow)
-    driver.straight("plain", [CheckpointHook(tmp_path / "async", step_interval=2, async_save=True)])
+    monkeypatch.setattr(storage, "save_checkpoint", slow)  # in this process: seen by the thread writer only
+    hook = CheckpointHook(tmp_path / "async", step_interval=2, async_save=True, async_writer=writer)
+    driver.straight("plain", [hook])
     sync, written = _files(tmp_path / "sync"), _files(tmp_path / "async")
     assert sorted(sync) == sorted(written) and len(sync) == 9 * 2 + 1
     for name in sync:
         assert sync[name] == written[name], f"{name} differs"
-    # one write at a time, in order: the next save waited for the previous one
-    assert events == [(kind, step) for step in range(2, 19, 2) for kind in ("start", "end")]
+    if writer == "thread":  # one write at a time, in order: the next save waited for the previous one
+        assert events == [(kind, step) for step in range(2, 19, 2) for kind in ("start", "end")]
+    else:
+        assert events == [] and hook.last_checkpoint_index == 18
 
 
 def test_last_checkpoint_index_follows_completed_async_writes(
@@ -217,7 +224,7 @@ def test_last_checkpoint_index_follows_completed_async_writes(
         return original(*args, **kwargs)
 
     monkeypatch.setattr(storage, "save_checkpoint", gated)
-    hook = CheckpointHook(tmp_path, step_interval=1, async_save=True)
+    hook = CheckpointHook(tmp_path, step_interval=1, async_save=True, async_writer="thread")
     strategy = nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", [hook]))
     strategy.train_batch(next(iter(driver.make_loader("plain"))))  # standalone batches save too
     assert hook.last_checkpoint_index is None and _saved(tmp_path) == []  # still writing
@@ -246,7 +253,7 @@ def test_an_exception_flushes_the_pending_write(
         return original(*args, **kwargs)
 
     monkeypatch.setattr(storage, "save_checkpoint", slow)
-    hook = CheckpointHook(tmp_path, step_interval=2, async_save=True)
+    hook = CheckpointHook(tmp_path, step_interval=2, async_save=True, async_writer="thread")
     strategy = nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", [hook, _FailAt(3)]))
     with pytest.raises(RuntimeError, match="boom"), strategy:
         strategy.run(driver.make_loader("plain"))
@@ -261,7 +268,7 @@ def test_a_failed_background_write_is_raised_not_lost(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(storage, "write_state_file", disk_full)
-    hook = CheckpointHook(tmp_path, step_interval=2, async_save=True)
+    hook = CheckpointHook(tmp_path, step_interval=2, async_save=True, async_writer="thread")
     strategy = nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", [hook]))
     with pytest.raises(OSError, match="No space left") as info, strategy:
         strategy.run(driver.make_loader("plain"))
@@ -297,7 +304,8 @@ def test_only_a_background_save_copies_host_tensors(
     driver: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
 ) -> None:
     """A synchronous save writes before training resumes, so it takes the host tensors as they are;
-    a background one must copy them first (training changes them while the write runs)."""
+    a background one on a thread must copy them first (training changes them while the write runs).
+    The writer process's copies are staged in shared memory instead (test_checkpoint_writer_process)."""
     calls: list[bool] = []
     real = hook_module.snapshot
 
@@ -307,7 +315,8 @@ def test_only_a_background_save_copies_host_tensors(
 
     monkeypatch.setattr(hook_module, "snapshot", spy)
     reference = driver.straight("plain")
-    saved = driver.straight("plain", [CheckpointHook(tmp_path, step_interval=3, async_save=async_save)])
+    hook = CheckpointHook(tmp_path, step_interval=3, async_save=async_save, async_writer="thread")
+    saved = driver.straight("plain", [hook])
     assert calls and set(calls) == {async_save}
     driver.assert_same(reference["params"], saved["params"])  # saving changed nothing in the run
     loaded = read_checkpoint(tmp_path / "step_18")
