@@ -231,32 +231,38 @@ def test_an_error_in_the_writer_reaches_the_training_thread_with_its_traceback(
 
 
 @pytest.mark.slow
-def test_the_writer_ignores_interrupts_and_ends_when_the_training_process_dies(tmp_path: Path) -> None:
-    """Ctrl-C and a preemption SIGTERM are the training process's to handle; a writer left alone exits."""
+def test_writers_ignore_interrupts_and_end_when_the_training_process_dies(tmp_path: Path) -> None:
+    """Ctrl-C and a preemption SIGTERM are the training process's to handle; writers left alone, held or
+    idle, exit when it does (here: SIGKILL, so no exit handler runs)."""
     script = textwrap.dedent(
         """
         import os, signal, sys, time, torch
         from pathlib import Path
+        from nvtrain_checkpoint import writer_process
         from nvtrain_checkpoint.staging import Stager
-        from nvtrain_checkpoint.writer_process import WriterProcess
 
-        root, stager, writer = Path(sys.argv[1]), Stager(), WriterProcess()
-        writer.start()
-        writer.save(stager.stage({"w": torch.ones(3)}), root, 1, {}, None)
-        os.kill(writer.pid, signal.SIGINT)
-        os.kill(writer.pid, signal.SIGTERM)
+        root, stager = Path(sys.argv[1]), Stager()
+        held = writer_process.acquire()
+        held.save(stager.stage({"w": torch.ones(3)}), root, 1, {}, None)
+        os.kill(held.pid, signal.SIGINT)
+        os.kill(held.pid, signal.SIGTERM)
         time.sleep(0.2)
-        writer.save(stager.stage({"w": torch.full((3,), 2.0)}), root, 2, {}, None)
-        print(writer.pid, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)  # no close(), no cleanup
+        held.save(stager.stage({"w": torch.full((3,), 2.0)}), root, 2, {}, None)
+        writer_process.release(held)
+        assert writer_process.acquire() is held  # an idle writer is handed out again
+        idle = writer_process.WriterProcess()
+        idle.wait_until_ready()
+        writer_process.release(idle)
+        print(held.pid, idle.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # no close(), no exit handler
         """
     )
     process = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
     )
     assert process.returncode == -signal.SIGKILL, process.stderr
-    pid = int(process.stdout.split()[0])
-    assert _gone(pid, 30), "the writer outlived the training process"
+    for pid in process.stdout.split():
+        assert _gone(int(pid), 30), "a writer outlived the training process"
     assert [info.step for info in list_checkpoints(tmp_path)] == [1, 2]
     assert torch.equal(storage.load_state_file(tmp_path / "step_2" / storage.STATE_NAME)["w"], torch.full((3,), 2.0))
 
@@ -280,30 +286,6 @@ def test_a_writer_process_that_was_never_started_closes_quietly() -> None:
     assert writer not in writer_process._idle
 
 
-@pytest.mark.slow
-def test_idle_writers_exit_with_python(tmp_path: Path) -> None:
-    script = textwrap.dedent(
-        """
-        import sys, torch
-        from pathlib import Path
-        from nvtrain_checkpoint import writer_process
-        from nvtrain_checkpoint.staging import Stager
-
-        writer = writer_process.acquire()
-        writer.save(Stager().stage({"w": torch.ones(3)}), Path(sys.argv[1]), 1, {}, None)
-        writer_process.release(writer)
-        assert writer_process.acquire() is writer  # handed out again while it runs
-        writer_process.release(writer)
-        print(writer.pid, flush=True)
-        """
-    )
-    process = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert process.returncode == 0, process.stderr
-    assert _gone(int(process.stdout.split()[0]), 30), "an idle writer outlived Python"
-
-
 def test_a_writer_that_cannot_start_says_so_and_how_to_do_without(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -320,3 +302,27 @@ def test_a_writer_that_cannot_start_says_so_and_how_to_do_without(
     finally:
         writer.close()
         stager.release()
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_run_saves_through_the_writer_process_from_a_page_locked_arena(
+    driver: ModuleType, tmp_path: Path
+) -> None:
+    hook = CheckpointHook(tmp_path, step_interval=3, async_save=True)
+    pinned: list[bool] = []
+
+    def look(ctx: nvtrain.TrainingContext) -> None:
+        assert hook._stager.arena is not None
+        pinned.append(hook._stager.arena.pinned)
+
+    kwargs = driver.strategy_kwargs("plain", [hook, _At(4, look)])
+    kwargs["device"] = "cuda"
+    with nvtrain.TrainingStrategy(**kwargs) as strategy:
+        strategy.run(driver.make_loader("plain"))
+        final = {key: value.detach().cpu() for key, value in strategy.ctx.models["main"].state_dict().items()}
+    assert pinned == [True] and hook._stager.arena is None  # released when the strategy closed
+    saved = storage.read_checkpoint(tmp_path)
+    assert saved["counters"]["step_count"] == 18
+    driver.assert_same(final, saved["models"]["main"])
