@@ -25,12 +25,14 @@ from nvtrain_checkpoint.storage import (
     save_checkpoint,
     verify_checkpoint,
 )
+from nvtrain_checkpoint.writer_process import WriterProcessError
 
 __all__ = [
     "CheckpointError",
     "CheckpointHook",
     "CheckpointInfo",
     "CheckpointVersionWarning",
+    "WriterProcessError",
     "export_weights",
     "latest_checkpoint",
     "list_checkpoints",

@@ -104,7 +104,8 @@ class WriterProcess:
         except OSError as err:
             ours.close()
             raise WriterProcessError(
-                f"checkpoint: could not start the writer process ({sys.executable}): {err}"
+                f"checkpoint: could not start the writer process ({sys.executable}): {err}; "
+                "async_writer='thread' writes without one"
             ) from err
         finally:
             theirs.close()

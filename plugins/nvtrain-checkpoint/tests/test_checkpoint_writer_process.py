@@ -18,10 +18,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nvtrain_checkpoint import CheckpointHook, list_checkpoints, storage, writer_process
+from nvtrain_checkpoint import CheckpointHook, WriterProcessError, list_checkpoints, storage, writer_process
 from nvtrain_checkpoint.snapshot import snapshot
 from nvtrain_checkpoint.staging import GRANULE, Stager, rebuild, shared_memory_supported
-from nvtrain_checkpoint.writer_process import WriterProcess, WriterProcessError
+from nvtrain_checkpoint.writer_process import WriterProcess
 
 import nvtrain
 
