@@ -66,8 +66,8 @@ class CheckpointHook:
     ``"process"`` (the default on Linux) stages the snapshot in shared memory and
     has a writer process serialise, hash and fsync it, so the write takes nothing
     the training thread needs (not even the GIL); ``"thread"`` writes on a thread
-    of this process (and is what other platforms get). ``rank_zero_only`` lets only global rank 0
-    write (the other ranks wait for it); otherwise every rank writes its own
+    of this process (and is what other platforms get). ``rank_zero_only`` lets
+    only global rank 0 write (the other ranks wait for it); otherwise every rank writes its own
     ``rank_<r>/`` tree. ``keep_last_n`` keeps that many complete checkpoints (and
     always the one ``latest`` names). ``resume``: ``"never"``, ``"auto"`` (continue
     from the latest complete checkpoint in ``checkpoint_dir`` when there is one) or
