@@ -106,6 +106,19 @@ def test_cpu_smoke_run_reports_loop_and_checkpoint_cost_apart(tmp_path: Path) ->
     assert "steps_during_writes" in checkpoint["async_thread_steps_during_writes"]
     assert checkpoint["ratio_async_thread_vs_hand_written_durable"]["median"] > 0
     assert checkpoint["saves"]["nvtrain, checkpoint (async, thread)"]["saves"] > 0
+    # gpu_suite.sh's summary reads this report: its line names every target figure
+    summary = subprocess.run(
+        [sys.executable, "-c", _suite_summary_code(), str(out)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert summary.returncode == 0, summary.stderr
+    assert summary.stdout.startswith("gpu_check tiny: no plugins ") and "(writer thread " in summary.stdout
+    assert "steps during a write" in summary.stdout and "target <= 1.05x" in summary.stdout
+
+
+def _suite_summary_code() -> str:
+    """The Python that gpu_suite.sh runs over gpu_check.json (its last embedded snippet)."""
+    text = (ROOT / "benchmarks" / "gpu_suite.sh").read_text()
+    return text.rsplit("<<'PY' || true\n", 1)[1].split("\nPY\n", 1)[0]
 
 
 # -- benchmarks/gpu_suite.sh ------------------------------------------------------------------------------
