@@ -100,7 +100,7 @@ class CheckpointHook:
     _stager: Stager = attrs.field(init=False, factory=Stager, repr=False)
     _saved_step: int | None = attrs.field(init=False, default=None, repr=False)
     _plugins: dict[str, dict[str, str]] | None = attrs.field(init=False, default=None, repr=False)
-    #: async_save: the snapshot last handed to the writer; the next one copies into its buffers.
+    #: async_writer="thread": the snapshot last handed to the writer thread; the next one copies into its buffers.
     _reusable: Any = attrs.field(init=False, default=None, repr=False)
     _last_saved: tuple[int, Path] | None = attrs.field(init=False, default=None, repr=False)
     #: A due save deferred from AFTER_BATCH to the AFTER_VALIDATION that follows the step.

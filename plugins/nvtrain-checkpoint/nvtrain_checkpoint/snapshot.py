@@ -2,7 +2,8 @@
 
 A snapshot is taken on the training thread at the save point, so it holds exactly
 one step's state however long the write takes afterwards. Every tensor is copied
-to host memory (shared tensors stay shared); containers are copied; anything that
+to host memory (shared tensors stay shared; a synchronous save, which writes before
+training goes on, keeps host tensors as they are); containers are copied; anything that
 ``torch.load(weights_only=True)`` would refuse is refused here, at save time, with
 the path of the offending value.
 """

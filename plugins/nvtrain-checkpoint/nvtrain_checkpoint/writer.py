@@ -1,7 +1,8 @@
 """The background writer of ``async_save``: one thread, at most one write in flight.
 
 The training thread hands over a snapshot (already copied off the live tensors)
-and continues. The next save first waits for the previous one, so writes never
+and continues. The job writes it here (``async_writer="thread"``) or hands it to the
+writer process and waits for its answer, which takes no GIL (the default). The next save first waits for the previous one, so writes never
 overlap or reorder, and a failed write raises on the training thread at the next
 save, at the end of the run or at ``close()``: never silently.
 """
