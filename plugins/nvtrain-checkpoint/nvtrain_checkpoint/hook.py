@@ -250,7 +250,8 @@ class CheckpointHook:
                 self._mark_saved(self._saved_step, wrote=False)  # rank 0's write finished before the barrier
 
     def flush(self) -> None:
-        """Wait until the write in flight (``async_save``) is on disk; its error, if any, is raised here."""
+        """Wait until the write in flight (``async_save``) is on disk and the checkpoints retention dropped
+        are deleted; an error of either is raised here."""
         self._writer.wait()
 
     def close(self) -> None:
@@ -301,6 +302,7 @@ class CheckpointHook:
                 async_save=self.async_save,
                 rank_zero_only=self.rank_zero_only,
                 submit=self._writer.submit,
+                discard=self._delete_in_background,
                 on_published=functools.partial(self._written, step),
             )
             return
@@ -327,9 +329,15 @@ class CheckpointHook:
             else:
                 copied = snapshot(state, reuse=self._reusable, copy_host=self.async_save)
                 self._reusable = copied if self.async_save else None
-                job = functools.partial(storage.save_checkpoint, root, step, copied, metadata, self.keep_last_n)
+                # In the background a save deletes what retention dropped itself; a synchronous one hands
+                # that to the background writer, which is idle then.
+                discard = storage.delete_trash if self.async_save else self._delete_in_background
+                job = functools.partial(
+                    storage.save_checkpoint, root, step, copied, metadata, self.keep_last_n, discard=discard
+                )
             if self.async_save:
-                self._writer.submit(job, storage.checkpoint_name(step), functools.partial(self._written, step))
+                task = f"writing {storage.checkpoint_name(step)} in the background (async_save=True)"
+                self._writer.submit(job, task, functools.partial(self._written, step))
             else:
                 job()
                 self._mark_saved(step)
@@ -337,6 +345,19 @@ class CheckpointHook:
             torch.distributed.barrier()  # nobody races ahead of a half-written checkpoint
             if not writes:
                 self._mark_saved(step, wrote=False)
+
+    def _delete_in_background(self, trash: list[Path]) -> None:
+        """Delete the checkpoints a synchronous save's retention dropped on the background writer.
+
+        They are already renamed out of sight; what is left is freeing their files, and
+        unlinking a large file that is still in the page cache takes as long as writing a
+        small one (about 70 ms for 268 MB on ext4). The next save, the end of the run,
+        :meth:`flush` and :meth:`close` wait for it, so leftovers never race the next save.
+        """
+        names = ", ".join(path.name for path in trash)
+        self._writer.submit(
+            functools.partial(storage.delete_trash, trash), f"deleting {names} in the background (keep_last_n={self.keep_last_n})"
+        )
 
     def _written(self, step: int, path: Path) -> None:
         self._mark_saved(step)

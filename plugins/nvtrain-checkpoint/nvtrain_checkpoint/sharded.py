@@ -361,13 +361,15 @@ class ShardedSaver:
         async_save: bool,
         rank_zero_only: bool,
         submit: Callable[[Callable[[], Path], str, Callable[[Path], None]], None],
+        discard: storage.Discard = storage.delete_trash,
         on_published: Callable[[Path], None],
     ) -> None:
         """Write the state of ``ctx.strategy`` as ``root/step_<step>``: shards on every rank, the rest on rank 0.
 
         Synchronously, every rank returns once the checkpoint is published; with ``async_save``
         the writing continues in ``submit`` (the hook's background writer, whose previous job
-        must be finished) and ``on_published`` runs there when it is done.
+        must be finished) and ``on_published`` runs there when it is done. A synchronous save hands
+        the checkpoints retention dropped to ``discard``; a background one deletes them itself.
         """
         if not rank_zero_only and ctx.world_size > 1:
             raise FieldValueError(
@@ -414,7 +416,7 @@ class ShardedSaver:
         )
         if not async_save:
             saved = _saving(tmp, functools.partial(dcp.save, parts, storage_writer=writer))
-            path = finish(saved, group=None)
+            path = finish(saved, group=None, discard=discard)
             on_published(path)
             return
         if self._async_group is None:
@@ -427,7 +429,7 @@ class ShardedSaver:
         def job() -> Path:
             return finish(_saving(tmp, future.result), group=group)
 
-        submit(job, storage.checkpoint_name(step), on_published)
+        submit(job, f"writing {storage.checkpoint_name(step)} in the background (async_save=True)", on_published)
 
     def close(self) -> None:
         """Destroy the asynchronous saves' process group (the hook's writer has finished by then)."""
@@ -446,6 +448,7 @@ def _finish(
     state: Any,
     manifest: dict[str, Any],
     keep_last_n: int | None,
+    discard: storage.Discard = storage.delete_trash,
 ) -> Path:
     """After every rank's shards are on disk: digests (each rank hashes a share), then rank 0 publishes."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -481,7 +484,7 @@ def _finish(
             raise
         storage.publish(tmp, final)
         storage.write_latest(root, final.name)
-        storage.apply_retention(root, keep_last_n)
+        storage.apply_retention(root, keep_last_n, discard=discard)
     dist.barrier(group=group)  # no rank goes on (or reads the checkpoint) before rank 0 published it
     return final
 

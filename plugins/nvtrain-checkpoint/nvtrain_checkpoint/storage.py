@@ -16,7 +16,9 @@ only then replaces ``latest`` (temporary file, ``os.replace``, fsync). A process
 killed at any moment therefore leaves every ``step_*`` directory complete and
 ``latest`` naming one of them. Deletion (retention, or replacing a same-numbered
 checkpoint) first renames to ``.trash-`` so no half-deleted checkpoint ever looks
-complete.
+complete; the renamed tree is then deleted at once, or handed to a ``discard``
+callable (``CheckpointHook`` deletes it on its background writer: freeing a large
+file's pages takes as long as writing a small one).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import shutil
 import uuid
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointVersionWarning",
     "checkpoint_name",
+    "delete_trash",
     "incomplete_checkpoints",
     "latest_checkpoint",
     "list_checkpoints",
@@ -97,6 +100,17 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step}"
 
 
+#: What becomes of checkpoints retention dropped, once they are renamed to ``.trash-`` names and the
+#: renames are durable: ``delete_trash`` (the default) deletes them at once.
+Discard = Callable[[list[Path]], None]
+
+
+def delete_trash(trash: list[Path]) -> None:
+    """Delete retired checkpoint trees (``.trash-`` names: nothing reads them, the next save removes leftovers)."""
+    for path in trash:
+        shutil.rmtree(path)
+
+
 # -- writing ------------------------------------------------------------------------------------
 
 
@@ -106,11 +120,14 @@ def save_checkpoint(
     state: Mapping[str, Any],
     metadata: Mapping[str, Any],
     keep_last_n: int | None = None,
+    *,
+    discard: Discard = delete_trash,
 ) -> Path:
     """Write ``state`` as ``root/step_<step>`` crash-consistently, point ``latest`` at it, apply retention.
 
     ``state`` must already be a snapshot (host tensors nobody mutates). ``metadata``
     goes into the manifest next to the format version, step and file digests.
+    ``discard`` receives the checkpoints retention retired (see :func:`apply_retention`).
     Returns the published directory.
     """
     root = Path(root)
@@ -134,7 +151,7 @@ def save_checkpoint(
         raise
     final = publish(tmp, root / name)
     write_latest(root, name)
-    apply_retention(root, keep_last_n)
+    apply_retention(root, keep_last_n, discard=discard)
     return final
 
 
@@ -218,20 +235,24 @@ def remove_leftovers(root: Path) -> None:
                 entry.unlink()
 
 
-def remove_checkpoint(path: Path) -> None:
-    """Delete a checkpoint so that no half-deleted directory ever looks complete."""
+def retire(path: Path) -> Path:
+    """Rename a checkpoint to a ``.trash-`` name (not yet durable: fsync its directory) and return that name.
+
+    Deleting the renamed tree can then never leave a half-deleted directory that looks complete.
+    """
     trash = path.parent / f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex}"
     os.rename(path, trash)
-    fsync_dir(path.parent)
-    shutil.rmtree(trash)
+    return trash
 
 
-def apply_retention(root: Path, keep_last_n: int | None) -> list[Path]:
+def apply_retention(root: Path, keep_last_n: int | None, *, discard: Discard = delete_trash) -> list[Path]:
     """Keep the ``keep_last_n`` complete checkpoints with the highest steps, the one ``latest`` names, and
-    the newest healthy one (its step's loss was finite) when none of those is healthy.
+    the newest healthy one (its step's loss was finite) when none of those is healthy; return the others.
 
     A run whose loss turned NaN keeps saving unhealthy checkpoints; without the last
-    rule they would rotate the last good one out.
+    rule they would rotate the last good one out. The dropped checkpoints are renamed
+    out of sight (one directory fsync for all of them) before ``discard`` gets their
+    new names: deleted now by default, or later by whoever ``discard`` hands them to.
     """
     if keep_last_n is None:
         return []
@@ -242,11 +263,11 @@ def apply_retention(root: Path, keep_last_n: int | None) -> list[Path]:
         healthy = [info for info in complete if is_healthy(info.path)]
         if healthy:
             keep.add(healthy[-1].path.name)
-    removed = []
-    for info in complete:
-        if info.path.name not in keep and info.path.name != pointed:
-            remove_checkpoint(info.path)
-            removed.append(info.path)
+    removed = [info.path for info in complete if info.path.name not in keep and info.path.name != pointed]
+    if removed:
+        trash = [retire(path) for path in removed]
+        fsync_dir(root)  # the renames are durable before any file of them goes
+        discard(trash)
     return removed
 
 

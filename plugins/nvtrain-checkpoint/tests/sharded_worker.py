@@ -8,7 +8,7 @@ Each writes ``OUT_DIR/<scenario>/rank<R>.pt``.
     save            8 steps, checkpoints at 4 and 8 (the uninterrupted run)
     async           the same with async_save=True, keep_last_n=2, checkpoints every 2 steps
     resume=DIR      resume from the checkpoint DIR and finish the 8 steps
-    resume_auto=DIR resume="auto" in the checkpoint root DIR (after a kill) and finish
+    resume_auto=DIR resume="auto" in the checkpoint root DIR (after a kill) and finish, keep_last_n=3
     per_rank        rank_zero_only=False, which sharded checkpoints refuse
     fault=POINT     save every 2 steps; the second save stops for good at POINT (the test kills the ranks)
 """
@@ -197,8 +197,9 @@ def scenario_fault(out: Path, point: str) -> None:
 
 
 def scenario_resume_auto(out: Path, arg: str) -> None:
-    """Continue the job a kill interrupted: resume="auto" in its checkpoint directory."""
-    hook = CheckpointHook(Path(arg), step_interval=2, resume="auto")
+    """Continue the job a kill interrupted: resume="auto" in its checkpoint directory, keeping the last 3
+    (synchronous saves: rank 0's writer thread deletes what retention drops)."""
+    hook = CheckpointHook(Path(arg), step_interval=2, resume="auto", keep_last_n=3)
     save(out, f"rank{dist.get_rank()}.pt", train(hook))
 
 

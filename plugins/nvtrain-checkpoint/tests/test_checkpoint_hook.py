@@ -95,6 +95,55 @@ def test_keep_last_n_in_a_run(driver: ModuleType, tmp_path: Path) -> None:
     assert hook.last_checkpoint_index == 18
 
 
+def test_a_synchronous_save_deletes_what_retention_dropped_in_the_background(
+    driver: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Freeing a dropped checkpoint's files takes the writer thread, never the training thread, and the
+    next save starts only after that deletion ended (so its leftover sweep never races it)."""
+    events: list[tuple[str, Any]] = []
+    delete, write = storage.delete_trash, storage.write_state_file
+
+    def slow_delete(trash: list[Path]) -> None:
+        assert all(path.name.startswith(".trash-step_") and path.is_dir() for path in trash)
+        events.append(("delete", threading.current_thread().name))
+        time.sleep(0.05)  # long enough that a racing save would start inside it
+        delete(trash)
+        events.append(("deleted", None))
+
+    def recorded_write(path: Path, state: Any) -> Any:
+        events.append(("write", None))
+        return write(path, state)
+
+    monkeypatch.setattr(storage, "delete_trash", slow_delete)
+    monkeypatch.setattr(storage, "write_state_file", recorded_write)
+    hook = CheckpointHook(tmp_path, step_interval=2, keep_last_n=2)
+    driver.straight("plain", [hook])
+    assert _saved(tmp_path) == [16, 18] and (tmp_path / "latest").read_text() == "step_18\n"
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["latest", "step_16", "step_18"]  # nothing left
+    deletions = [thread for kind, thread in events if kind == "delete"]
+    assert len(deletions) == 7  # steps 2 to 14, one per save from the third on
+    assert all(thread.startswith("nvtrain-checkpoint") for thread in deletions)
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["write", "write"] + ["write", "delete", "deleted"] * 7
+
+
+def test_a_failed_background_deletion_is_raised_at_the_next_save(
+    driver: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(trash: list[Path]) -> None:
+        raise PermissionError(13, "Permission denied", str(trash[0]))
+
+    monkeypatch.setattr(storage, "delete_trash", refused)
+    hook = CheckpointHook(tmp_path, step_interval=2, keep_last_n=1)
+    strategy = nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", [hook]))
+    with pytest.raises(PermissionError) as info, strategy:
+        strategy.run(driver.make_loader("plain"))
+    notes = " ".join(info.value.__notes__)
+    assert "while deleting .trash-step_2-" in notes and "in the background (keep_last_n=1)" in notes
+    assert strategy.ctx.step_count == 6  # raised when the step-6 save waited for the step-2 deletion
+    assert _saved(tmp_path) == [4] and read_checkpoint(tmp_path)["counters"]["step_count"] == 4
+
+
 def test_an_epoch_interval_checkpoint_resumes_at_the_next_epoch(driver: ModuleType, tmp_path: Path) -> None:
     reference = driver.straight("plain", [CheckpointHook(tmp_path, epoch_interval=1)])
     recorder = driver.LossRecorder()

@@ -19,7 +19,7 @@ from nvtrain_checkpoint import (
     read_manifest,
     save_checkpoint,
 )
-from nvtrain_checkpoint.storage import MANIFEST_NAME, STATE_NAME, apply_retention, write_latest
+from nvtrain_checkpoint.storage import MANIFEST_NAME, STATE_NAME, apply_retention, delete_trash, write_latest
 
 import nvtrain
 
@@ -142,6 +142,30 @@ def test_retention_counts_only_complete_checkpoints_and_spares_latest(tmp_path: 
     assert removed == [tmp_path / "step_2"]
     assert [info.step for info in list_checkpoints(tmp_path)] == [1, 3]
     assert (tmp_path / "step_8").is_dir()
+
+
+def test_retention_renames_dropped_checkpoints_out_of_sight_before_discarding_them(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    handed: list[list[Path]] = []
+    removed = apply_retention(tmp_path, 1, discard=handed.append)
+    assert removed == [tmp_path / "step_1", tmp_path / "step_2"]
+    assert [info.step for info in list_checkpoints(tmp_path)] == [3]  # gone from sight at once
+    (trash,) = handed
+    assert [path.name.split("-")[1] for path in trash] == ["step_1", "step_2"]
+    assert all(path.name.startswith(".trash-") and (path / STATE_NAME).is_file() for path in trash)  # not deleted
+    assert apply_retention(tmp_path, 1, discard=handed.append) == [] and len(handed) == 1  # nothing to hand over
+    delete_trash(trash)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_3"]
+
+
+def test_a_save_hands_its_dropped_checkpoints_to_discard(tmp_path: Path) -> None:
+    handed: list[list[Path]] = []
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, _state(step), {}, keep_last_n=2, discard=handed.append)
+    assert [[path.name.split("-")[1] for path in trash] for trash in handed] == [["step_1"]]
+    _save(tmp_path, 4, keep_last_n=2)  # the next save sweeps leftovers, a discarded tree among them
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_3", "step_4"]
 
 
 # -- refusing what is not a complete, intact nvtrain checkpoint ---------------------------------
