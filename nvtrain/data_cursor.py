@@ -123,7 +123,7 @@ class DataCursor:
         for skipped in range(position):  # indices only: no dataset access
             if next(iterator, _NO_ITEM) is _NO_ITEM:
                 raise ValueError(
-                    f"StepScheduler: cannot resume epoch {epoch} at micro-batch {position}: the dataloader "
+                    f"StepScheduler: cannot resume epoch {epoch + 1} at micro-batch {position}: the dataloader "
                     f"yields only {skipped} this epoch"
                 )
         remaining = _RemainingBatches(iterator, replica, real)
@@ -167,7 +167,7 @@ class DataCursor:
         for skipped in range(position):
             if next(iterator, _NO_ITEM) is _NO_ITEM:
                 raise ValueError(
-                    f"StepScheduler: cannot resume epoch {epoch} at micro-batch {position}: the dataloader yields "
+                    f"StepScheduler: cannot resume epoch {epoch + 1} at micro-batch {position}: the dataloader yields "
                     f"only {skipped} this epoch"
                 )
         return iterator

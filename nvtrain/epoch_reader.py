@@ -142,7 +142,7 @@ class EpochReader:
             now = _capture_rng(generators)
             if self.epoch_rng is None:
                 warnings.warn(
-                    f"StepScheduler: resuming epoch {epoch} at micro-batch {position} without the epoch's "
+                    f"StepScheduler: resuming epoch {epoch + 1} at micro-batch {position} without the epoch's "
                     "RNG state; a shuffling loader will not replay the saved order",
                     RuntimeWarning,
                     stacklevel=4,
@@ -174,7 +174,7 @@ class EpochReader:
         except Exception as err:
             err.add_note(
                 f"while restoring the {type(loader).__qualname__} state saved after micro-batch {position} "
-                f"of epoch {epoch}"
+                f"of epoch {epoch + 1}"
             )
             raise
         finally:

@@ -337,7 +337,7 @@ class StepScheduler:
                     self._replay = (window, is_last)
                     raise RuntimeError(
                         f"StepScheduler: finish_step() was not called for step {self.step} "
-                        f"(epoch {self.epoch}); call it once per window, after the optimizer step"
+                        f"(epoch {self.epoch + 1}); call it once per window, after the optimizer step"
                     )
                 if self._epoch_done:
                     self._advance_epoch()
@@ -486,7 +486,7 @@ class StepScheduler:
         if items is not None:
             if exhausted and items > reader.pulled:
                 warnings.warn(
-                    f"StepScheduler: the dataloader reported len() == {items} but epoch {self.epoch} ended after "
+                    f"StepScheduler: the dataloader reported len() == {items} but epoch {self.epoch + 1} ended after "
                     f"{reader.pulled} micro-batches",
                     RuntimeWarning,
                     stacklevel=3,
@@ -499,7 +499,7 @@ class StepScheduler:
         if self.synchronized_stream:
             window, is_last = self._agree_on_window(window, is_last)
         if not window and reader.pulled == self._position == 0 and not self.synchronized_stream:
-            raise ValueError(f"StepScheduler: the dataloader yielded no micro-batches in epoch {self.epoch}")
+            raise ValueError(f"StepScheduler: the dataloader yielded no micro-batches in epoch {self.epoch + 1}")
         return window, is_last
 
     def _agree_on_window(self, window: list[Any], is_last: bool) -> tuple[list[Any], bool]:

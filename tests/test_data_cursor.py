@@ -146,6 +146,6 @@ def test_any_other_iterable_is_fast_forwarded_with_one_line_saying_so(caplog: py
 
 def test_a_position_past_the_epoch_is_refused() -> None:
     loader = DataLoader(CountingDataset(8), batch_size=4)
-    with pytest.raises(ValueError, match="cannot resume epoch 0 at micro-batch 3: the dataloader yields only 2"):
+    with pytest.raises(ValueError, match="cannot resume epoch 1 at micro-batch 3: the dataloader yields only 2"):
         DataCursor(loader).open(3)
     assert loader.dataset.read() == []  # type: ignore[attr-defined]

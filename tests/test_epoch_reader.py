@@ -59,7 +59,7 @@ def test_loader_len_and_parts() -> None:
 def test_opening_at_a_position_reads_nothing_before_it() -> None:
     data = Counting(10)
     reader = EpochReader(DataLoader(data, batch_size=2))
-    with pytest.warns(RuntimeWarning, match="resuming epoch 0 at micro-batch 3 without the epoch's RNG state"):
+    with pytest.warns(RuntimeWarning, match="resuming epoch 1 at micro-batch 3 without the epoch's RNG state"):
         reader.open(3, epoch=0)
     assert (reader.pulled, reader.items) == (3, 5)
     assert reader.take().tolist() == [6, 7]

@@ -212,7 +212,7 @@ def test_a_loader_state_that_torchdata_refuses_names_where_it_came_from() -> Non
     with pytest.raises((AssertionError, KeyError)) as failure:  # torchdata's own check of the state's keys
         train(_loader(0, seed=99), [], 30, state=grab.state)
     notes = "\n".join(getattr(failure.value, "__notes__", []))
-    assert "while restoring the StatefulDataLoader state saved after micro-batch 20 of epoch 0" in notes
+    assert "while restoring the StatefulDataLoader state saved after micro-batch 20 of epoch 1" in notes
 
 
 def test_a_strategy_run_twice_continues_the_loader_from_its_own_state() -> None:

@@ -117,8 +117,26 @@ def test_constructor_refuses_bad_values(kwargs: dict[str, Any], message: str) ->
 def test_empty_loader_is_refused() -> None:
     with pytest.raises(ValueError, match=r"the dataloader is empty"):
         make([])
-    with pytest.raises(ValueError, match=r"yielded no micro-batches in epoch 0"):
+    with pytest.raises(ValueError, match=r"yielded no micro-batches in epoch 1"):
         drive(make(Unsized([])))
+
+
+class _Overstated(Unsized):
+    """Claims more micro-batches than it yields."""
+
+    def __len__(self) -> int:
+        return 5
+
+
+def test_a_loader_that_ends_before_its_len_warns_naming_the_epoch_from_1() -> None:
+    scheduler = make(_Overstated([0, 1, 2]), num_epochs=2)
+    with pytest.warns(RuntimeWarning) as record:
+        rows = drive(scheduler)
+    assert [str(warning.message) for warning in record] == [
+        f"StepScheduler: the dataloader reported len() == 5 but epoch {epoch} ended after 3 micro-batches"
+        for epoch in (1, 2)
+    ]
+    assert len(rows) == 6  # each epoch ends where the data does
 
 
 # -- cadences -------------------------------------------------------------------------------------
@@ -222,7 +240,7 @@ def test_finish_step_is_required_once_per_window() -> None:
     scheduler.finish_step_required = True
     iterator = iter(scheduler)
     next(iterator)
-    with pytest.raises(RuntimeError, match=r"finish_step\(\) was not called for step 0"):
+    with pytest.raises(RuntimeError, match=r"finish_step\(\) was not called for step 0 \(epoch 1\)"):
         next(iterator)
     scheduler = make(list(range(4)))
     for _ in scheduler:
