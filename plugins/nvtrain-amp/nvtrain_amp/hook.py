@@ -179,10 +179,13 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         if not found:
             return
         overflowed = torch.stack([f.to(found[0].device) for f in found]).amax()
-        if self._overflow_skips is None or self._overflow_skips.device != overflowed.device:
-            self._overflow_skips = torch.zeros((), device=overflowed.device)
-        self._overflow_skips.add_(overflowed)
-        ctx.metrics["overflow_skips"] = self._overflow_skips
+        skips = self._overflow_skips
+        if skips is None:
+            skips = self._overflow_skips = torch.zeros((), device=overflowed.device)
+        elif skips.device != overflowed.device:  # restored from a checkpoint (on the CPU): once per run
+            skips = self._overflow_skips = skips.to(overflowed.device)
+        skips.add_(overflowed)
+        ctx.metrics["overflow_skips"] = skips
         if scaler._scale is not None:
             ctx.metrics["loss_scale"] = scaler._scale  # updated in place by scaler.update()
 
@@ -216,7 +219,9 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     # -- checkpoint state ------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The precision and, for fp16, the scaler state (reading the scale syncs once)."""
+        """The precision and, for fp16, the scaler state (reading the scale syncs once) and the count of
+        steps skipped for overflows so far (a copy of the device tensor: no sync), so a resumed run's
+        ``overflow_skips`` metric goes on from there."""
         dtype = self.dtype
         state: dict[str, Any] = {"precision": AUTO if dtype is None else precision_name(dtype)}
         if self._scaler is not None:
@@ -225,10 +230,12 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             state["scaler"] = dict(self._pending_scaler_state)
         else:
             state["scaler"] = None
+        if self._overflow_skips is not None:
+            state["overflow_skips"] = self._overflow_skips.detach().clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the loss scale; refuse a state saved under another precision.
+        """Restore the loss scale and the overflow count; refuse a state saved under another precision.
 
         Before the scaler exists (no batch yet) the state is kept and applied when
         the scaler is created.
@@ -237,11 +244,19 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             raise ValueError(
                 f"MixedPrecisionHook.load_state_dict: the state has no 'precision' entry (keys: {sorted(state)})"
             )
+        skips = state.get("overflow_skips")  # absent from states saved before it was kept: counts from 0
+        if skips is not None and not (isinstance(skips, torch.Tensor) and skips.numel() == 1):
+            raise ValueError(
+                "MixedPrecisionHook.load_state_dict: 'overflow_skips' must be a one-element tensor (the count of "
+                f"steps skipped for overflows), got {type(skips).__name__}"
+                + (f" of shape {tuple(skips.shape)}" if isinstance(skips, torch.Tensor) else "")
+            )
         saved = state["precision"]
         if saved != AUTO:
             self._saved_precision = str(saved)
             if self.dtype is not None:
                 self._check_saved_precision(self.dtype)
+        self._overflow_skips = None if skips is None else skips.detach().reshape(()).to(torch.float32, copy=True)
         scaler_state = state.get("scaler")
         if scaler_state is None:
             return

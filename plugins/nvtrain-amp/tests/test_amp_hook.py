@@ -625,6 +625,45 @@ def test_state_round_trip_keeps_the_loss_scale() -> None:
     assert hook.scaler.get_scale() == 512.0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_overflow_count_survives_a_checkpoint(device: str) -> None:
+    """A resumed run's ``overflow_skips`` metric goes on from the saved count, as an uninterrupted run's does."""
+    hook = MixedPrecisionHook(precision="fp16", init_scale=1024.0)
+    strategy = make_strategy([hook, InjectInf(batches=frozenset({0, 1}))], device)
+    for batch in make_batches(3, device):
+        strategy.train_batch(batch)
+    assert float(strategy.ctx.metrics["overflow_skips"]) == 2.0
+    state = roundtrip(hook.state_dict())
+    state["overflow_skips"] = state["overflow_skips"].cpu()  # as a checkpoint loads it (map_location="cpu")
+    assert torch.equal(state["overflow_skips"], torch.tensor(2.0))
+    hook.state_dict()["overflow_skips"].add_(5)  # a copy: saving never changes the live count
+    assert float(strategy.ctx.metrics["overflow_skips"]) == 2.0
+
+    fresh = MixedPrecisionHook(precision="fp16", init_scale=1024.0)
+    fresh.load_state_dict(state)
+    resumed = make_strategy([fresh, InjectInf(batches=frozenset({1}))], device)
+    resumed.train_batch(make_batches(1, device)[0])  # a clean step: the count stays
+    assert float(resumed.ctx.metrics["overflow_skips"]) == 2.0
+    resumed.train_batch(make_batches(1, device)[0])  # an overflow: counted on top of the saved two
+    assert float(resumed.ctx.metrics["overflow_skips"]) == 3.0
+    assert resumed.ctx.metrics["overflow_skips"].device == resumed.ctx.device
+
+    older = MixedPrecisionHook(precision="fp16")
+    older.load_state_dict({k: v for k, v in state.items() if k != "overflow_skips"})  # saved before it was kept
+    assert "overflow_skips" not in older.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [([1], "got list"), (torch.zeros(2), r"got Tensor of shape \(2,\)"), (3, "got int")]
+)
+def test_a_bad_overflow_count_is_refused_before_anything_is_applied(value: Any, shown: str) -> None:
+    hook = MixedPrecisionHook(precision="fp16")
+    with pytest.raises(ValueError, match=rf"'overflow_skips' must be a one-element tensor .*{shown}"):
+        hook.load_state_dict({"precision": "bfloat16", "scaler": {"scale": 8.0}, "overflow_skips": value})
+    make_strategy([hook]).train_batch(make_batches(1)[0])  # the refused state left no trace: no mismatch raised
+    assert hook.scaler.get_scale() == 65536.0
+
+
 def test_state_from_another_precision_is_refused() -> None:
     fp16 = MixedPrecisionHook(precision="fp16")
     make_strategy([fp16]).train_batch(make_batches(1)[0])
