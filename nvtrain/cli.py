@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "plot": "nvtrain.commands.plot",
     "plugins": "nvtrain.commands.plugins",
     "bench": "nvtrain.commands.bench",
+    "export": "nvtrain.commands.export",
 }
 
 

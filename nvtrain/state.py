@@ -488,21 +488,8 @@ def find_checkpoint_reader(hooks: Iterable[object] = ()) -> Callable[[str | os.P
         reader = getattr(hook, "read_checkpoint", None)
         if callable(reader) and not isinstance(hook, type):
             return reader  # type: ignore[no-any-return]
-    failures: list[str] = []
-    for entry_point in importlib.metadata.entry_points(group=PROJECT_NAME, name=READER_ENTRY_POINT):
-        try:
-            module = entry_point.load()
-        except Exception as err:
-            failures.append(f"entry point {entry_point.value!r} failed to import: {type(err).__name__}: {err}")
-            continue
-        reader = getattr(module, "read_checkpoint", None)
-        if callable(reader):
-            return reader  # type: ignore[no-any-return]
-        failures.append(f"entry point {entry_point.value!r} has no read_checkpoint()")
-    detail = f" ({'; '.join(failures)})" if failures else ""
-    raise ImportError(
-        "reading a checkpoint needs the nvtrain-checkpoint distribution (pip install nvtrain-checkpoint), "
-        f"or a hook with read_checkpoint(path) in TrainingStrategy.hooks{detail}"
+    return checkpoint_plugin_function(
+        "read_checkpoint", "reading a checkpoint", alternative="a hook with read_checkpoint(path) in TrainingStrategy.hooks"
     )
 
 
@@ -513,16 +500,33 @@ def find_manifest_reader(hooks: Iterable[object] = ()) -> Callable[[str | os.Pat
         reader = getattr(hook, "read_manifest", None)
         if callable(reader) and not isinstance(hook, type):
             return reader  # type: ignore[no-any-return]
+    return checkpoint_plugin_function("read_checkpoint_manifest", "reading a checkpoint's manifest")
+
+
+def checkpoint_plugin_function(name: str, purpose: str, *, alternative: str = "") -> Callable[..., Any]:
+    """The function ``name`` of the distribution behind the ``checkpoint`` entry point (nvtrain-checkpoint).
+
+    Core nvtrain never imports that plugin by name: it may be replaced by another
+    distribution registering the same entry point.
+
+    :raises ImportError: saying that ``purpose`` needs the plugin (or ``alternative``),
+        and why each registered entry point did not serve.
+    """
+    failures: list[str] = []
     for entry_point in importlib.metadata.entry_points(group=PROJECT_NAME, name=READER_ENTRY_POINT):
         try:
             module = entry_point.load()
-        except Exception:
+        except Exception as err:
+            failures.append(f"entry point {entry_point.value!r} failed to import: {type(err).__name__}: {err}")
             continue
-        reader = getattr(module, "read_checkpoint_manifest", None)
-        if callable(reader):
-            return reader  # type: ignore[no-any-return]
+        function = getattr(module, name, None)
+        if callable(function):
+            return function  # type: ignore[no-any-return]
+        failures.append(f"entry point {entry_point.value!r} has no {name}()")
+    detail = f" ({'; '.join(failures)})" if failures else ""
+    instead = f", or {alternative}" if alternative else ""
     raise ImportError(
-        "reading a checkpoint's manifest needs the nvtrain-checkpoint distribution (pip install nvtrain-checkpoint)"
+        f"{purpose} needs the nvtrain-checkpoint distribution (pip install nvtrain-checkpoint){instead}{detail}"
     )
 
 

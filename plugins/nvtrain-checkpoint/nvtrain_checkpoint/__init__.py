@@ -10,8 +10,8 @@ gives ``load_checkpoint`` the run config saved with a checkpoint written by ``nv
 
 from __future__ import annotations
 
+from nvtrain_checkpoint.export import export_weights
 from nvtrain_checkpoint.hook import CheckpointHook
-from nvtrain_checkpoint.sharded import export_weights
 from nvtrain_checkpoint.snapshot import snapshot
 from nvtrain_checkpoint.storage import (
     CheckpointError,

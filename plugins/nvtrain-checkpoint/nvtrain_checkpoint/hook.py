@@ -20,6 +20,7 @@ from nvtrain.hook import DEFAULT_PRIORITY
 from nvtrain.state import capture_rng_state, capture_state, load_state, strategy_hooks
 from nvtrain.validators import FieldTypeError, one_of, optional_int_at_least, refused, strict_bool, strict_int
 from nvtrain_checkpoint import sharded, storage, writer_process
+from nvtrain_checkpoint.export import export_weights
 from nvtrain_checkpoint.snapshot import snapshot
 from nvtrain_checkpoint.staging import Stager, shared_memory_supported
 from nvtrain_checkpoint.writer import BackgroundWriter
@@ -157,16 +158,23 @@ class CheckpointHook:
         return directory
 
     def export(
-        self, path: str | os.PathLike[str], checkpoint: str | os.PathLike[str] | None = None, model_key: str | None = None
+        self,
+        path: str | os.PathLike[str],
+        checkpoint: str | os.PathLike[str] | None = None,
+        model_key: str | None = None,
+        *,
+        ema: bool | str = False,
     ) -> Path:
         """Write one model's weights as one plain ``state_dict`` file, for inference.
 
         From ``checkpoint`` (a checkpoint directory or root; default: the latest under
         ``checkpoint_dir``), sharded or not: a sharded one is consolidated into full tensors
-        in this process. ``model_key`` may be left out when there is one model. The file loads
-        with ``torch.load(path, weights_only=True)`` into the plain model.
+        in this process. ``model_key`` may be left out when there is one model. ``ema=True``
+        writes the model's EMA average instead (see :func:`nvtrain_checkpoint.export_weights`).
+        The file loads with ``torch.load(path, weights_only=True)`` into the plain model.
         """
-        return sharded.export_weights(self.checkpoint_dir if checkpoint is None else checkpoint, path, model_key)
+        source = self.checkpoint_dir if checkpoint is None else checkpoint
+        return export_weights(source, path, model_key, ema=ema)
 
     def read_manifest(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """The manifest of the checkpoint at ``path``: step, epoch, versions, ``healthy``, ``run_config``."""

@@ -22,22 +22,18 @@ the rank-0 publication runs after it, on the hook's background writer.
 Loading reshards: the templates are the live models' and optimizers' state dicts
 (DTensors on N ranks, plain tensors in one process), and DCP reads into each rank
 exactly the parts of the saved shards that its template covers. Nothing read can run
-code: DCP's ``.metadata`` pickle goes through an unpickler that admits only DCP's
-metadata classes, and the non-tensor entries DCP stores (optimizer hyper-parameters)
-are read with ``torch.load(weights_only=True)``.
+code (:mod:`dcp_files`). :mod:`export` consolidates a sharded checkpoint into plain
+weights in one process.
 """
 
 from __future__ import annotations
 
 import functools
-import io
 import os
-import pickle
 import shutil
 import sys
 import uuid
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,10 +52,18 @@ from nvtrain.state import (
 )
 from nvtrain.validators import FieldValueError
 from nvtrain_checkpoint import storage
+from nvtrain_checkpoint.dcp_files import (
+    FORMAT,
+    METADATA_NAME,
+    SHARDED_DIR,
+    data_files,
+    dcp_load,
+    dcp_save,
+    read_dcp_metadata,
+)
 from nvtrain_checkpoint.snapshot import snapshot
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import Metadata
 
     from nvtrain.context import TrainingContext
@@ -69,21 +73,13 @@ if TYPE_CHECKING:
 # imported where a sharded checkpoint is written or read, not when the plugin is.
 
 __all__ = [
-    "METADATA_NAME",
-    "SHARDED_DIR",
+    "MARKER",
     "ShardedSaver",
-    "export_weights",
     "is_sharded_checkpoint",
     "load_sharded",
     "models_are_sharded",
-    "read_dcp_metadata",
 ]
 
-#: The subdirectory holding the DCP checkpoint, and DCP's index file in it.
-SHARDED_DIR = "sharded"
-METADATA_NAME = ".metadata"
-#: ``manifest["sharded"]["format"]``.
-FORMAT = "torch.distributed.checkpoint"
 #: A hook-state tensor stored in the DCP part; in ``state.pt`` it is replaced by ``{MARKER: key}``.
 MARKER = "__nvtrain_sharded__"
 
@@ -109,161 +105,6 @@ def is_sharded_checkpoint(directory: str | os.PathLike[str]) -> bool:
     """Whether the complete checkpoint at ``directory`` was written sharded (its manifest says so)."""
     sharded = storage.read_manifest(directory).get("sharded")
     return isinstance(sharded, dict) and sharded.get("format") == FORMAT
-
-
-# -- safe reading --------------------------------------------------------------------------------------
-
-_METADATA_CLASSES = frozenset(
-    {
-        ("torch.distributed.checkpoint.metadata", name)
-        for name in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        )
-    }
-    | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        ("pathlib", "Path"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
-)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only what DCP's metadata is made of: its dataclasses, torch sizes, dtypes and layouts, paths."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not part of a DCP metadata file")
-
-
-def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
-    """Unpickle a DCP ``.metadata`` file, refusing every global but DCP's metadata classes.
-
-    :raises CheckpointError: naming the file and what was refused.
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb") as file:
-            metadata = _MetadataUnpickler(file).load()
-    except FileNotFoundError:
-        raise storage.CheckpointError(f"{path} is missing: not a complete sharded checkpoint") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError) as err:
-        raise storage.CheckpointError(
-            f"{path} was refused: a DCP metadata file may hold only DCP's metadata classes, never code ({err})"
-        ) from err
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    if not isinstance(metadata, Metadata):
-        raise storage.CheckpointError(f"{path} is not DCP metadata (it holds a {type(metadata).__name__})")
-    return metadata
-
-
-@functools.lru_cache(maxsize=1)
-def _safe_io() -> tuple[type, type]:
-    """DCP's file reader and load planner, made safe (defined on first use: DCP is imported then)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import StorageMeta
-    from torch.distributed.checkpoint.planner import ReadItem
-
-    class SafeFileSystemReader(FileSystemReader):
-        """DCP's file reader with :func:`read_dcp_metadata` in place of a plain ``pickle.load``."""
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            if kwargs.get("rank") is not None:
-                raise storage.CheckpointError(f"{self.path}: per-rank DCP metadata is not an nvtrain checkpoint")
-            metadata = read_dcp_metadata(Path(self.path) / METADATA_NAME)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
-            return metadata
-
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        """DCP's load planner, reading non-tensor entries with ``torch.load(weights_only=True)``."""
-
-        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-            try:
-                loaded = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as err:
-                raise storage.CheckpointError(
-                    f"the sharded checkpoint's entry {read_item.dest_index.fqn!r} was refused by "
-                    f"torch.load(weights_only=True): it holds more than plain data ({_first_line(err)})"
-                ) from err
-            super().load_bytes(read_item, io.BytesIO(_saved(loaded)))
-
-    return SafeFileSystemReader, SafeLoadPlanner
-
-
-def _first_line(err: Exception) -> str:
-    """The line of a weights-only refusal that names what was refused (torch's message opens with advice)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    specific = [line for line in lines if "GLOBAL" in line or "nsupported" in line]
-    return (specific or lines or [type(err).__name__])[0]
-
-
-def _saved(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _dcp_load(state: dict[str, Any], directory: Path, *, no_dist: bool = False) -> None:
-    """``dcp.load`` into ``state`` with the safe reader and planner; in this process alone when ``no_dist``
-    or when there is no process group (DCP warns then; here that is the intent)."""
-    from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    reader, planner = _safe_io()
-    no_dist = no_dist or not (dist.is_available() and dist.is_initialized())
-    with warnings.catch_warnings():
-        if no_dist:
-            warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent is to load")
-        try:
-            load(state, storage_reader=reader(directory), planner=planner(), no_dist=no_dist)
-        except CheckpointException as err:
-            ranks, inner = _first_failure(err)
-            if isinstance(inner, storage.CheckpointError):
-                raise inner from None
-            raise ResumeError(
-                f"reading the sharded checkpoint {directory} failed on rank(s) {ranks}: {type(inner).__name__}: {inner}"
-            ) from inner
-
-
-def _first_failure(err: CheckpointException) -> tuple[list[int], BaseException]:
-    """The ranks that failed and the first one's exception (DCP gathers them into a BaseException)."""
-    failures = err.failures
-    first = next(iter(failures.values()))
-    inner = first[0] if isinstance(first, tuple) else first
-    return sorted(failures), inner if isinstance(inner, BaseException) else RuntimeError(str(inner))
-
-
-def _saving(directory: Path, save: Callable[[], Metadata]) -> Metadata:
-    """Run a DCP save, turning its gathered failure (a BaseException) into an ordinary error naming the place."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        return save()
-    except CheckpointException as err:
-        ranks, inner = _first_failure(err)
-        raise RuntimeError(
-            f"writing the sharded checkpoint {directory} failed on rank(s) {ranks}: {type(inner).__name__}: {inner}"
-        ) from inner
 
 
 # -- splitting a captured state --------------------------------------------------------------------------
@@ -333,11 +174,6 @@ def _find(value: Any, path: str) -> Any:
 
 
 # -- saving ---------------------------------------------------------------------------------------------------
-
-
-def _data_files(metadata: Metadata) -> list[str]:
-    """The files DCP wrote (relative to its directory), from its own index."""
-    return sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
 
 
 class ShardedSaver:
@@ -415,7 +251,7 @@ class ShardedSaver:
             _finish, root=root, tmp=tmp, step=step, state=copied, manifest=manifest, keep_last_n=keep_last_n
         )
         if not async_save:
-            saved = _saving(tmp, functools.partial(dcp.save, parts, storage_writer=writer))
+            saved = dcp_save(tmp, functools.partial(dcp.save, parts, storage_writer=writer))
             path = finish(saved, group=None, discard=discard)
             on_published(path)
             return
@@ -427,7 +263,7 @@ class ShardedSaver:
             raise TypeError(f"torch.distributed.checkpoint.async_save returned {type(future).__name__}")
 
         def job() -> Path:
-            return finish(_saving(tmp, future.result), group=group)
+            return finish(dcp_save(tmp, future.result), group=group)
 
         submit(job, f"writing {storage.checkpoint_name(step)} in the background (async_save=True)", on_published)
 
@@ -458,7 +294,7 @@ def _finish(
     written = read_dcp_metadata(directory / METADATA_NAME)
     mine = {
         f"{SHARDED_DIR}/{name}": storage.file_digest(directory / name)
-        for index, name in enumerate(_data_files(written))
+        for index, name in enumerate(data_files(written))
         if index % world_size == rank
     }
     gathered: list[Any] = [None] * world_size
@@ -555,7 +391,7 @@ def load_sharded(
         "hook_tensors": {key: _template_for(key, metadata, _find(live_hooks, key)) for key in markers},
     }
     try:
-        _dcp_load(template, directory / SHARDED_DIR)
+        dcp_load(template, directory / SHARDED_DIR)
     except storage.CheckpointError:
         raise
     except (RuntimeError, ValueError, KeyError) as err:  # ResumeError too: a shape or a key that does not fit
@@ -583,69 +419,3 @@ def _extract_markers(value: Any, found: dict[str, Any]) -> None:
     elif isinstance(value, (list, tuple)):
         for item in value:
             _extract_markers(item, found)
-
-
-# -- export -------------------------------------------------------------------------------------------------------
-
-
-def export_weights(checkpoint: str | os.PathLike[str], path: str | os.PathLike[str], model_key: str | None = None) -> Path:
-    """Write one model's weights from a checkpoint as one plain ``state_dict`` file (``torch.save``).
-
-    ``checkpoint`` is a checkpoint directory or a checkpoint root (its latest); a sharded
-    checkpoint is consolidated (every shard read, in this process alone, into full tensors).
-    ``model_key`` may be left out when the checkpoint holds one model. The file loads with
-    ``torch.load(path, weights_only=True)`` into the plain model. Written atomically.
-    """
-    directory = storage.resolve_checkpoint(checkpoint)
-    manifest = storage.verify_checkpoint(directory)
-    sharded = manifest.get("sharded")
-    if isinstance(sharded, dict) and sharded.get("format") == FORMAT:
-        weights = _consolidated_model(directory, model_key)
-    else:
-        models = storage.read_checkpoint(directory)["models"]
-        weights = dict(models[_one_model(model_key, models, directory)])
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{storage.TMP_PREFIX}{target.name}-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as file:
-            torch.save(weights, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return target
-
-
-def _one_model(model_key: str | None, names: Iterable[str], directory: Path) -> str:
-    names = sorted(names)
-    if model_key is None:
-        if len(names) != 1:
-            raise ValueError(f"{directory} holds the models {names}: name the one to export (model_key=...)")
-        return names[0]
-    if model_key not in names:
-        raise ValueError(f"{directory} holds no model {model_key!r} (models: {names})")
-    return model_key
-
-
-def _consolidated_model(directory: Path, model_key: str | None) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
-    metadata = read_dcp_metadata(directory / SHARDED_DIR / METADATA_NAME)
-    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    entries: dict[str, dict[str, Any]] = {}
-    for flat, path in paths.items():
-        if isinstance(path, tuple) and len(path) == 3 and path[0] == "models":
-            entries.setdefault(str(path[1]), {})[str(path[2])] = metadata.state_dict_metadata.get(flat)
-    key = _one_model(model_key, entries, directory)
-    template: dict[str, Any] = {}
-    for fqn, entry in entries[key].items():
-        if isinstance(entry, TensorStorageMetadata):
-            template[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype)
-        elif not isinstance(entry, BytesStorageMetadata):
-            raise storage.CheckpointError(f"{directory}: no saved entry for {key}.{fqn}")
-    loaded: dict[str, Any] = {"models": {key: template}}
-    _dcp_load(loaded, directory / SHARDED_DIR, no_dist=True)
-    return {fqn: value for fqn, value in loaded["models"][key].items() if isinstance(value, torch.Tensor)}

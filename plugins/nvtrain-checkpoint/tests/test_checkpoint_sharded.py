@@ -111,6 +111,10 @@ def test_export_consolidates_the_shards_into_one_plain_state_dict(
     assert all(type(t) is torch.Tensor for t in weights.values())
     driver.assert_same(results(saved / "save")[0]["snapshots"][4]["weights"], weights)
     make_model().load_state_dict(weights)  # strict: the plain model's keys
+    # the EMA average, written in shards by two ranks, consolidated in this process
+    averaged = torch.load(CheckpointHook(saved / "save" / "checkpoints").export(tmp_path / "ema.pt", ema=True))
+    driver.assert_same(results(saved / "save")[0]["snapshots"][8]["ema"], averaged)
+    make_model().load_state_dict(averaged)
 
 
 # -- resuming ----------------------------------------------------------------------------------------------

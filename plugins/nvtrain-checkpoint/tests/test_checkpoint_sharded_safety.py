@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from nvtrain_checkpoint import CheckpointError, CheckpointHook, read_checkpoint, verify_checkpoint
-from nvtrain_checkpoint.sharded import METADATA_NAME, SHARDED_DIR, export_weights, read_dcp_metadata
+from nvtrain_checkpoint.dcp_files import METADATA_NAME, SHARDED_DIR, read_dcp_metadata
+from nvtrain_checkpoint.export import export_weights
 from torch.distributed.tensor import DTensor
 
 import nvtrain
@@ -97,13 +98,13 @@ def test_a_doctored_metadata_pickle_is_refused_before_it_runs(
 
 def test_a_doctored_non_tensor_entry_is_read_weights_only(tmp_path: Path) -> None:
     """DCP stores non-tensor values (optimizer hyper-parameters) as pickles; they are read with weights_only."""
-    from nvtrain_checkpoint.sharded import _dcp_load
+    from nvtrain_checkpoint.dcp_files import dcp_load
 
     planted = tmp_path / "planted-by-an-entry"
     with pytest.warns(UserWarning, match="single process"):
         dcp.save({"lr": Planted(planted)}, checkpoint_id=tmp_path / "dcp", no_dist=True)
     with pytest.raises(CheckpointError, match=r"entry 'lr' was refused by torch.load\(weights_only=True\)"):
-        _dcp_load({"lr": 0.1}, tmp_path / "dcp")
+        dcp_load({"lr": 0.1}, tmp_path / "dcp")
     assert not planted.exists()
 
 

@@ -1,0 +1,52 @@
+"""Write a model's weights from a checkpoint as one plain file, for inference.
+
+    nvtrain export runs/digits/checkpoints model.pt            # the latest checkpoint's weights
+    nvtrain export runs/digits/checkpoints/step_500 model.pt   # one checkpoint
+    nvtrain export runs/digits/checkpoints ema.pt --ema        # the EMA average instead
+    nvtrain export CKPT teacher.pt --model teacher             # one model of several
+
+CHECKPOINT is a checkpoint directory (step_<N>) or a checkpoint root (its latest
+complete checkpoint); sharded (FSDP) checkpoints are consolidated in this process.
+OUTPUT receives what model.state_dict() of the plain model holds, written atomically;
+it loads with torch.load(OUTPUT, weights_only=True) and load_state_dict, without nvtrain.
+--ema takes the average of the EMA hook that served the model (its state "ema:<model>");
+--ema-key KEY names another hook state. Needs the nvtrain-checkpoint plugin.
+
+Exit status: 0 written; 2 no such checkpoint, a damaged one, or no such model or average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "write a model's weights (or their EMA average) from a checkpoint as one plain file"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory, or a checkpoint root")
+    parser.add_argument("output", metavar="OUTPUT", help="the weights file to write (e.g. model.pt)")
+    parser.add_argument("--model", metavar="NAME", help="which model, when the checkpoint holds several")
+    parser.add_argument("--ema", action="store_true", help="export the model's EMA average instead of its weights")
+    parser.add_argument(
+        "--ema-key", metavar="KEY", help="the hook state holding the average (implies --ema; default ema:<model>)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from nvtrain.app import EXIT_OK, EXIT_USAGE
+    from nvtrain.errors import ResumeError
+    from nvtrain.state import checkpoint_plugin_function
+
+    try:
+        export_weights = checkpoint_plugin_function("export_weights", "nvtrain export")
+        ema = args.ema_key if args.ema_key else args.ema
+        written = export_weights(args.checkpoint, args.output, args.model, ema=ema)
+    except (ImportError, ResumeError, ValueError) as err:  # a CheckpointError is a ResumeError
+        print(f"nvtrain export: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return EXIT_USAGE
+    what = "the EMA average" if ema else "the weights"
+    print(f"wrote {written} ({what}, {written.stat().st_size / 1e6:.1f} MB)")
+    return EXIT_OK
