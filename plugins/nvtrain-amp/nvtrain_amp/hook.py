@@ -298,20 +298,23 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             )
 
     def _before_batch(self, ctx: nvtrain.TrainingContext) -> None:
-        # A batch that raised between BEFORE_BATCH and DO_BACKWARD left autocast open.
-        self._close_autocast()
+        # Per batch: the checks are inline, the calls happen only when there is something to do.
+        if self._autocast_open:  # a batch that raised between BEFORE_BATCH and DO_BACKWARD left it open
+            self._close_autocast()
         if self._unscaled:
             # A batch that raised after unscale_: reset the scaler before this batch scales.
             self._unscaled = False
             self._scaler.update()  # type: ignore[union-attr]
-        self._resolve(ctx.device)
+        if self._dtype is None:
+            self._resolve(ctx.device)
         region = self._training_autocast
         if region is not None:
             region.__enter__()  # left in _close_autocast (DO_BACKWARD, the next batch, or close())
             self._autocast_open = True
 
     def _do_backward(self, ctx: nvtrain.TrainingContext) -> torch.Tensor:
-        self._close_autocast()
+        if self._autocast_open:
+            self._close_autocast()
         loss = ctx.loss
         assert loss is not None  # the orchestrator checked it
         if self._dtype is None:

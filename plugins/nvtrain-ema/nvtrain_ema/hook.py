@@ -80,11 +80,15 @@ class EMAHook(nvtrain.TrainingUpdateHook):
         if stage == _AFTER_OPTIMIZER_STEP and not will_skip:
             step = ctx.step_count
             if step >= self.start_step and step % self.update_every == 0:
-                self._models = ctx.models
-                self._ensure_averaged()
-                assert self._plan is not None
-                self._plan.update(self.decay)
-                self.num_updates += 1
+                plan = self._plan
+                if plan is None or self._models is not ctx.models:
+                    self._models = ctx.models
+                    self._ensure_averaged()
+                    plan = self._plan
+                    assert plan is not None
+                plan.update(self.decay)
+                # A count only this method raises: past the field's validation, which costs six calls.
+                object.__setattr__(self, "num_updates", self.num_updates + 1)
         return True, None
 
     # -- lifecycle ---------------------------------------------------------------------------
