@@ -174,7 +174,7 @@ class TrainingStrategy:
     max_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     validation: ValidationConfig | None = attrs.field(default=None)
     distributed_manager: Any = None
-    #: Windows, cadences and preemption of ``run()`` (None: one micro-batch per step, SIGTERM preempts).
+    #: Windows, cadences and preemption of ``run()`` (None: one micro-batch per step, SIGTERM and SIGINT preempt).
     step_scheduler: StepSchedulerConfig | None = attrs.field(default=None, kw_only=True)
 
     ctx: TrainingContext = attrs.field(init=False)
