@@ -115,6 +115,28 @@ def test_value_clipping_equals_clip_grad_value_and_records_the_norm() -> None:
     assert grads.abs().max() == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize("foreach", [None, False, True])
+@pytest.mark.parametrize("settings", [{"max_norm": 0.5}, {"max_value": 0.05}])
+def test_foreach_reaches_every_torch_clipping_call(
+    foreach: bool | None, settings: dict[str, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``foreach`` picks torch's implementation: the norm, the rescale and the clamp all receive it."""
+    seen: dict[str, Any] = {}
+    utils = torch.nn.utils
+    for name in ("get_total_norm", "clip_grads_with_norm_", "clip_grad_value_"):
+        original = getattr(utils, name)
+
+        def spy(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            seen[_name] = kwargs.get("foreach", "missing")
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(utils, name, spy)
+    strategy = make_strategy([GradientClippingHook(**settings, foreach=foreach)])
+    strategy.train_batch(make_batch())
+    clip = "clip_grads_with_norm_" if "max_norm" in settings else "clip_grad_value_"
+    assert seen == {"get_total_norm": foreach, clip: foreach}
+
+
 def test_publishes_the_pre_clip_norm_for_this_micro_batch() -> None:
     strategy = make_strategy([GradientClippingHook(max_norm=0.5)])
     strategy.train_batch(make_batch())
