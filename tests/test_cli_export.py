@@ -92,3 +92,14 @@ def test_export_without_the_checkpoint_plugin_says_what_to_install(
         "nvtrain export: error: nvtrain export needs the nvtrain-checkpoint distribution "
         "(pip install nvtrain-checkpoint)\n"
     )
+
+
+def test_an_output_that_cannot_be_written_is_one_line_with_exit_1(
+    checkpoints: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    output = tmp_path / "a-file" / "model.pt"
+    assert main(["export", str(checkpoints), str(output)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"nvtrain export: error: cannot write {output}: ") and err.count("\n") == 1
+    assert (tmp_path / "a-file").read_text() == "not a directory"

@@ -12,7 +12,8 @@ it loads with torch.load(OUTPUT, weights_only=True) and load_state_dict, without
 --ema takes the average of the EMA hook that served the model (its state "ema:<model>");
 --ema-key KEY names another hook state. Needs the nvtrain-checkpoint plugin.
 
-Exit status: 0 written; 2 no such checkpoint, a damaged one, or no such model or average.
+Exit status: 0 written; 1 OUTPUT could not be written (left as it was); 2 no such checkpoint, a damaged
+one, or no such model or average.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nvtrain.app import EXIT_OK, EXIT_USAGE
+    from nvtrain.app import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
     from nvtrain.errors import ResumeError
     from nvtrain.state import checkpoint_plugin_function
 
@@ -47,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
     except (ImportError, ResumeError, ValueError) as err:  # a CheckpointError is a ResumeError
         print(f"nvtrain export: error: {' '.join(str(err).split())}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as err:  # the output could not be written (a full disk, no permission): nothing was replaced
+        print(f"nvtrain export: error: cannot write {args.output}: {err}", file=sys.stderr)
+        return EXIT_FAILURE
     what = "the EMA average" if ema else "the weights"
     print(f"wrote {written} ({what}, {written.stat().st_size / 1e6:.1f} MB)")
     return EXIT_OK

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from nvtrain_checkpoint import storage
-from nvtrain_checkpoint.dcp_files import FORMAT, METADATA_NAME, SHARDED_DIR, dcp_load, read_dcp_metadata
-from nvtrain_checkpoint.sharded import MARKER
+from nvtrain_checkpoint.dcp_files import METADATA_NAME, SHARDED_DIR, dcp_load, read_dcp_metadata
+from nvtrain_checkpoint.sharded import MARKER, hook_tensor_template, is_sharded_checkpoint
 
 __all__ = ["export_weights"]
 
@@ -45,9 +45,8 @@ def export_weights(
     into the plain model. Written atomically (temporary file, fsync, rename); returns its path.
     """
     directory = storage.resolve_checkpoint(checkpoint)
-    manifest = storage.verify_checkpoint(directory)
-    sharded = manifest.get("sharded")
-    if isinstance(sharded, dict) and sharded.get("format") == FORMAT:
+    storage.verify_checkpoint(directory)
+    if is_sharded_checkpoint(directory):
         state = storage.load_state_file(directory / storage.STATE_NAME)  # verified with the manifest above
         model = _one_model(model_key, _state_models(state, directory), directory)
         if ema is False:
@@ -148,19 +147,11 @@ def _consolidated_model(directory: Path, model: str) -> dict[str, torch.Tensor]:
 
 def _consolidated(directory: Path, weights: dict[str, Any]) -> dict[str, Any]:
     """``weights`` with each sharded tensor (a ``{MARKER: key}`` in ``state.pt``) read whole from the shards."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     markers = {name: value[MARKER] for name, value in weights.items() if isinstance(value, Mapping) and MARKER in value}
     if not markers:
         return weights
     metadata = read_dcp_metadata(directory / SHARDED_DIR / METADATA_NAME)
-    templates: dict[str, torch.Tensor] = {}
-    for key in markers.values():
-        entry = metadata.state_dict_metadata.get(f"hook_tensors.{key}")
-        if not isinstance(entry, TensorStorageMetadata):
-            raise storage.CheckpointError(f"{directory}: the sharded part lists no tensor for {key!r}")
-        templates[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    loaded: dict[str, Any] = {"hook_tensors": templates}
+    loaded: dict[str, Any] = {"hook_tensors": {key: hook_tensor_template(key, metadata) for key in markers.values()}}
     dcp_load(loaded, directory / SHARDED_DIR, no_dist=True)
     return {
         name: loaded["hook_tensors"][markers[name]] if name in markers else value for name, value in weights.items()

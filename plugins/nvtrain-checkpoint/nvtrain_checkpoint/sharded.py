@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MARKER",
     "ShardedSaver",
+    "hook_tensor_template",
     "is_sharded_checkpoint",
     "load_sharded",
     "models_are_sharded",
@@ -328,7 +329,7 @@ def _finish(
 # -- loading --------------------------------------------------------------------------------------------------
 
 
-def _template_for(key: str, metadata: Metadata, live: Any) -> torch.Tensor:
+def hook_tensor_template(key: str, metadata: Metadata, live: Any = None) -> torch.Tensor:
     """Where the saved hook tensor ``key`` is read into: the live one when it fits, else a full plain tensor."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -388,7 +389,7 @@ def load_sharded(
     live_hooks = {key: hook.state_dict() for key, hook in checkpointable_hooks(strategy_hooks(strategy)).items()}
     template = {
         **_sharded_parts(strategy),
-        "hook_tensors": {key: _template_for(key, metadata, _find(live_hooks, key)) for key in markers},
+        "hook_tensors": {key: hook_tensor_template(key, metadata, _find(live_hooks, key)) for key in markers},
     }
     try:
         dcp_load(template, directory / SHARDED_DIR)

@@ -4,9 +4,9 @@ It also deletes the checkpoints retention dropped after a synchronous save, so
 freeing their pages does not hold the training thread either.
 
 The training thread hands over a snapshot (already copied off the live tensors)
-and continues. The job writes it here (``async_writer="thread"``) or hands it to the
-writer process and waits for its answer, which takes no GIL (the default). The next save first waits for the previous one, so writes never
-overlap or reorder, and a failed write raises on the training thread at the next
+and continues. The job writes it here (``async_writer="thread"``) or hands it to
+the writer process and waits for its answer, which takes no GIL (the default).
+The next save first waits for the previous one, so writes never overlap or reorder, and a failed write raises on the training thread at the next
 save, at the end of the run or at ``close()``: never silently.
 """
 
