@@ -40,7 +40,7 @@ import torch
 from nvtrain.config import LoadedConfig, RunConfig, resolve_import_path
 from nvtrain.config.errors import field_of
 from nvtrain.errors import ResumeError
-from nvtrain.hook import AveragesWeights
+from nvtrain.hook import AveragesWeights, SavesCheckpoints
 from nvtrain.hookspecs import hookimpl
 from nvtrain.validators import FieldProblem
 
@@ -494,7 +494,7 @@ def build(
         schedulers = _scheduler_factory(plan, holder, fresh)
     validation = None
     section_v = config.validation
-    if val_loader is not None and (section_v.every_n_epochs is not None or section_v.every_n_steps is not None):
+    if val_loader is not None:  # the trainer's val_every_steps and validate_on_checkpoint validate as well
         validation = ValidationConfig(
             data=val_loader,
             every_n_steps=section_v.every_n_steps,
@@ -983,7 +983,7 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
 def _announce(plan: Plan, built: Built) -> None:
     """Rank 0's messages before the first step: a preemption that would save nothing, resume changes."""
     signals = plan.config.trainer.preemption_signal
-    if signals and not any(hasattr(h, "last_saved") for h in plan.hooks):
+    if signals and not any(isinstance(h, SavesCheckpoints) for h in plan.hooks):
         names = ", ".join(str(s) for s in (signals if isinstance(signals, tuple) else (signals,)))
         logger.warning(
             "a preemption signal (%s) will stop the run but nothing will be saved: add the checkpoint hook "
@@ -1003,7 +1003,7 @@ def _with_model_changes(message: str, built: Built) -> str:
 
 def _saved_checkpoint(hooks: Sequence[object]) -> tuple[int, Path] | None:
     """The newest checkpoint a checkpoint hook reports complete on disk (its ``last_saved``), or None."""
-    found = [saved for h in hooks if (saved := getattr(h, "last_saved", None)) is not None]
+    found = [saved for h in hooks if isinstance(h, SavesCheckpoints) and (saved := h.last_saved) is not None]
     return max(found, key=lambda item: item[0]) if found else None
 
 

@@ -80,6 +80,19 @@ class AveragesWeights(Protocol):
 
 
 @runtime_checkable
+class SavesCheckpoints(Protocol):
+    """A plugin that writes checkpoints; ``last_saved`` is ``(step, directory)`` of its newest complete one, or None.
+
+    The loop asks whether one is registered: without one a run has no checkpoint
+    steps to validate on (``validate_on_checkpoint``), and ``nvtrain train`` knows a
+    preemption will stop the run with nothing saved.
+    """
+
+    @property
+    def last_saved(self) -> tuple[int, Any] | None: ...
+
+
+@runtime_checkable
 class ProvidesAutocast(Protocol):
     """A hook whose precision validation should use: ``autocast()`` returns a fresh context."""
 

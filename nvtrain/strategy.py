@@ -16,6 +16,7 @@ from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
 from nvtrain.hook import (
     AccumulatesGradients,
+    SavesCheckpoints,
     TrainingUpdateHook,
     hook_label,
 )
@@ -349,6 +350,8 @@ class TrainingStrategy:
             steps = 1 if accumulation is None else accumulation.accumulation_steps
             global_batch_size = steps * local_batch_size * dp_size
         val_every = [config.val_every_steps, self.validation.every_n_steps if self.validation is not None else None]
+        # A run with no plugin that saves checkpoints has no checkpoint steps to validate on.
+        validate_on_checkpoint = config.validate_on_checkpoint and self._saves_checkpoints()
         progressed = ctx.step_count > 0 or ctx.epoch > 0 or isinstance(ctx.scheduler, StepScheduler)
         scheduler = config.create(
             global_batch_size=global_batch_size,
@@ -356,6 +359,7 @@ class TrainingStrategy:
             dp_size=dp_size,
             dataloader=loader,
             val_every_steps=[every for every in val_every if every is not None],
+            validate_on_checkpoint=validate_on_checkpoint,
             start_step=ctx.step_count if progressed else config.start_step,
             start_epoch=ctx.epoch if progressed else config.start_epoch,
             num_epochs=num_epochs,
@@ -370,6 +374,11 @@ class TrainingStrategy:
             with contextlib.suppress(ValueError):  # another batch configuration: start the epoch afresh
                 scheduler.load_state_dict(previous.state_dict())  # continue where the last run stopped
         return scheduler
+
+    def _saves_checkpoints(self) -> bool:
+        return any(
+            isinstance(plugin, SavesCheckpoints) and not isinstance(plugin, type) for plugin in self.bus.plugins()
+        )
 
     def _run_bounds(self) -> tuple[int | None, int | None]:
         config = self.step_scheduler
@@ -523,6 +532,12 @@ class TrainingStrategy:
 
     def validate(self, loader: Iterable[Any] | None = None) -> dict[str, Any]:
         """Evaluate over ``loader`` (default: ``validation.data``) and fire AFTER_VALIDATION."""
+        summary = self._evaluate(loader)
+        self._after_validation()
+        return summary
+
+    def _evaluate(self, loader: Iterable[Any] | None) -> dict[str, Any]:
+        """The validation summary, on ``ctx.validation``; a metric-driven LR scheduler steps with it in ``run()``."""
         config = self.validation or ValidationConfig()
         loader = loader if loader is not None else config.data
         if loader is None:
@@ -541,9 +556,12 @@ class TrainingStrategy:
         ctx.validation = summary
         if ctx.windowed:  # inside run(): a ReduceLROnPlateau steps with this validation's metric
             self._step_schedules("metric")
+        return summary
+
+    def _after_validation(self) -> None:
+        ctx = self.ctx
         ctx.stage = _AFTER_VALIDATION
         self.registry.bus.after_validation(ctx)
-        return summary
 
     def _validation_forward(self, models: Mapping[str, torch.nn.Module], batch: Any) -> tuple[Any, Any, int]:
         targets = batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
@@ -598,13 +616,18 @@ class TrainingStrategy:
                 plan.scheduler.step(float(value))
 
     def _validate_in_run(self) -> None:
-        """Validate without touching the training RNG streams, so a resumed run draws what a straight one does."""
+        """Validate without touching the training RNG streams, so a resumed run draws what a straight one does.
+
+        AFTER_VALIDATION fires once those streams are back: a checkpoint saved there holds
+        the training RNG state, not the one the validation loader's iterator advanced.
+        """
         device = self.device
         devices = []
         if device.type == "cuda":
             devices = [device.index if device.index is not None else torch.cuda.current_device()]
         with torch.random.fork_rng(devices=devices):
-            self.validate()
+            self._evaluate(None)
+        self._after_validation()
         self.ctx.validation_follows = False
 
     def _maybe_validate_on_epoch(self) -> None:

@@ -24,30 +24,40 @@ _true_false_or_auto = satisfies(
 )
 
 
+#: ValidationConfig.every_n_epochs: an int >= 1, None or "auto".
+_epochs_none_or_auto = satisfies(
+    "an int >= 1, None (never at epoch ends) or 'auto'",
+    lambda v: v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+)
+
+
 @attrs.frozen
 class ValidationConfig:
     """When and how ``TrainingStrategy`` validates.
 
     ``every_n_steps`` counts completed optimizer steps (vetoed micro-batches never
-    trigger it); ``every_n_epochs`` counts completed epochs. With neither set, the
-    strategy validates at the end of every epoch. ``use_mixed_precision``: ``"auto"``
-    follows the registered mixed-precision hook, ``True`` / ``False`` force it.
-    ``use_ema``: evaluate the EMA weights when an EMA hook is registered.
-    ``metrics`` maps names to ``fn(outputs, targets) -> tensor`` (a per-batch mean).
+    trigger it); ``every_n_epochs`` counts completed epochs: an int, None (never at
+    an epoch's end: only the step cadences validate), or ``"auto"`` (the default:
+    every epoch unless ``every_n_steps`` is set). The step scheduler's own
+    ``val_every_steps`` and ``validate_on_checkpoint`` validate as well.
+    ``use_mixed_precision``: ``"auto"`` follows the registered mixed-precision hook,
+    ``True`` / ``False`` force it. ``use_ema``: evaluate the EMA weights when an EMA
+    hook is registered. ``metrics`` maps names to ``fn(outputs, targets) -> tensor``
+    (a per-batch mean).
     """
 
     data: Iterable[Any] | None = None
     every_n_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
-    every_n_epochs: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    every_n_epochs: int | Literal["auto"] | None = attrs.field(default="auto", validator=_epochs_none_or_auto)
     use_mixed_precision: bool | Literal["auto"] = attrs.field(default="auto", validator=_true_false_or_auto)
     use_ema: bool = False
     metrics: Mapping[str, Metric] = attrs.field(factory=dict)
 
     @property
     def epoch_interval(self) -> int | None:
-        """Epoch cadence in effect: the configured one, or every epoch when no cadence is set."""
-        if self.every_n_epochs is None and self.every_n_steps is None:
-            return 1
+        """Epoch cadence in effect: ``"auto"`` is every epoch when no step cadence is set, else none."""
+        if self.every_n_epochs == "auto":
+            return 1 if self.every_n_steps is None else None
         return self.every_n_epochs
 
 

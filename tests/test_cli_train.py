@@ -205,7 +205,7 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_resumes(
         """\
         model: {factory: slow_model_for_preemption:build, kwargs: {delay: 0.05}}
         data: {factory: nvtrain.builtin.digits:make_loaders}
-        trainer: {max_steps: 1000, ckpt_every_steps: null, save_checkpoint_every_epoch: false}
+        trainer: {max_steps: 1000, ckpt_every_steps: null, save_checkpoint_every_epoch: false, validate_on_checkpoint: false}
         validation: {every_n_epochs: null}
         logging: {log_every_n_steps: 1, tensorboard: false, plot: false, progress_bar: false}
         hooks: [{name: checkpoint, resume: auto}]

@@ -32,9 +32,7 @@ def test_stage_order_of_one_batch(make_strategy: Any, recorder: Any, batches: An
 
 
 def test_stage_order_of_a_whole_run(make_strategy: Any, recorder: Any, batches: Any, batch_sequence: Any) -> None:
-    strategy = make_strategy(
-        [recorder], num_epochs=2, validation=ValidationConfig(data=batches(2, seed=7))
-    )
+    strategy = make_strategy([recorder], num_epochs=2, validation=ValidationConfig(data=batches(2, seed=7)))
     strategy.run(batches(3))
     epoch = ["before_epoch", *batch_sequence * 3, "after_validation", "after_epoch"]
     assert recorder.calls == ["setup", "before_training", *epoch * 2, "after_training"]
@@ -189,9 +187,7 @@ def test_hooks_are_closed_after_an_exception_and_it_propagates(make_strategy: An
     def broken_loss(outputs: Any, targets: Any) -> torch.Tensor:
         raise RuntimeError("loss exploded")
 
-    strategy = make_strategy(
-        [Closing(log, "observer"), ClosingUpdate(log), ClosingSeed(log)], loss_fn=broken_loss
-    )
+    strategy = make_strategy([Closing(log, "observer"), ClosingUpdate(log), ClosingSeed(log)], loss_fn=broken_loss)
     inner = ClosingUpdate(log)
     strategy.register_hook(inner)
     with pytest.raises(RuntimeError, match="loss exploded"), strategy:
@@ -280,7 +276,10 @@ def test_use_mixed_precision_must_be_true_false_or_auto(value: Any) -> None:
 def test_validation_config_cadences_must_be_positive() -> None:
     with pytest.raises(ValueError, match=r"ValidationConfig.every_n_steps must be an int >= 1 or None \(got 0\)"):
         ValidationConfig(every_n_steps=0)
-    with pytest.raises(ValueError, match=r"ValidationConfig.every_n_epochs must be an int >= 1 or None \(got True\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ValidationConfig.every_n_epochs must be an int >= 1, None \(never at epoch ends\) or .auto. \(got True\)",
+    ):
         ValidationConfig(every_n_epochs=True)
 
 

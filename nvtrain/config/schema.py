@@ -224,8 +224,9 @@ TRAINER_HELP: dict[str, str] = {
     "max_steps": "Stop after this many optimizer steps (null: run all epochs).",
     "ckpt_every_steps": "Checkpoint every N optimizer steps (null: only at epoch ends, the last step and preemption).",
     "save_checkpoint_every_epoch": "Also checkpoint at every epoch end.",
-    "validate_on_checkpoint": "Also validate at every checkpoint step.",
-    "val_every_steps": "Validate every N optimizer steps (null: see `validation`).",
+    "validate_on_checkpoint": "Also validate at every checkpoint step (only with a hook that writes checkpoints, "
+    "such as `checkpoint`).",
+    "val_every_steps": "Validate every N optimizer steps, whatever `validation` sets (null: no trainer cadence).",
     "log_remote_every_steps": "Cadence of experiment loggers (TensorBoard; `ctx.scheduler.is_remote_logging_step`).",
     "loss_average_window_steps": "Steps the smoothed loss (`train_loss_avg`, the progress bar's loss) covers.",
     "gc_every_steps": "Run `gc.collect()` every N steps, with automatic gc off during the run (null: Python's own gc).",
@@ -244,7 +245,9 @@ class ValidationSection:
     """When to validate, on which weights, with which metrics."""
 
     every_n_epochs: int | None = attrs.field(
-        default=1, validator=_positive_or_none, metadata=_doc("Validate after every N epochs (null: never).")
+        default=1,
+        validator=_positive_or_none,
+        metadata=_doc("Validate after every N epochs (null: never at epoch ends; the step cadences still validate)."),
     )
     every_n_steps: int | None = attrs.field(
         default=None, validator=_positive_or_none, metadata=_doc("Also validate every N optimizer steps.")

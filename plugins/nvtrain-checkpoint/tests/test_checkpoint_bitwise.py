@@ -69,3 +69,30 @@ def test_resume_in_process_from_every_checkpoint_of_an_interval(driver: ModuleTy
         with strategy:
             strategy.run(driver.make_loader("plain"))
         driver.assert_same(reference["params"], driver.summary(strategy, recorder)["params"], f"from step {step}")
+
+
+def test_a_checkpoint_saved_after_a_validation_holds_the_training_rng(driver: ModuleType, tmp_path: Path) -> None:
+    """A step that validates saves at AFTER_VALIDATION. Iterating the validation DataLoader draws from the
+    global RNG, which ``run()`` forks for it; the checkpoint must hold the training stream, not the forked one,
+    or the resumed run's dropout differs from the straight run's."""
+    data = torch.Generator().manual_seed(11)
+    val_set = torch.utils.data.TensorDataset(torch.randn(8, 3, generator=data), torch.randn(8, 2, generator=data))
+
+    def kwargs(hooks: list[object]) -> dict[str, Any]:
+        loader = torch.utils.data.DataLoader(val_set, batch_size=4)
+        validation = nvtrain.ValidationConfig(data=loader, every_n_steps=4, every_n_epochs=None)
+        return {**driver.strategy_kwargs("plain", hooks), "validation": validation}
+
+    recorder = driver.LossRecorder()
+    torch.manual_seed(1)
+    with nvtrain.TrainingStrategy(**kwargs([CheckpointHook(tmp_path, step_interval=4), recorder])) as strategy:
+        strategy.run(driver.make_loader("plain"))
+    reference = driver.summary(strategy, recorder)
+    recorder = driver.LossRecorder()
+    torch.manual_seed(4)  # whatever the process drew since: the checkpoint's RNG state replaces it
+    with nvtrain.TrainingStrategy.load_checkpoint(tmp_path / "step_4", **kwargs([recorder])) as strategy:
+        strategy.run(driver.make_loader("plain"))
+    resumed = driver.summary(strategy, recorder)
+    tail = [entry for entry in reference["losses"] if entry[0] >= resumed["losses"][0][0]]
+    driver.assert_same(tail, resumed["losses"], "losses after the resume")
+    driver.assert_same(reference["params"], resumed["params"], "params")

@@ -1,0 +1,151 @@
+"""When a run validates: the epoch cadence (an int, None or "auto"), the step cadences, and
+``validate_on_checkpoint``, which follows checkpoints only when a plugin saves them; the same settings
+through ``nvtrain train``'s ``validation`` and ``trainer`` sections."""
+
+from __future__ import annotations
+
+import csv
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+import nvtrain
+from nvtrain.cli import main
+
+
+class ValidationSteps:
+    """Records ``ctx.step_count`` at every AFTER_VALIDATION."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    @nvtrain.hookimpl
+    def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
+        self.steps.append(ctx.step_count)
+
+
+class Saver:
+    """The smallest plugin that saves checkpoints (satisfies ``SavesCheckpoints``): records the steps asked."""
+
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+
+    @property
+    def last_saved(self) -> tuple[int, Path] | None:
+        return (self.saved[-1], Path("nowhere")) if self.saved else None
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.sync_gradients and ctx.scheduler.is_ckpt_step:
+            self.saved.append(ctx.step_count)
+
+
+def _validated(make_strategy: Any, batches: Any, *hooks: object, epochs: int = 2, **settings: Any) -> list[int]:
+    """Steps at which a run of ``epochs`` epochs of 4 steps validated."""
+    watch = ValidationSteps()
+    step_scheduler = settings.pop("step_scheduler", nvtrain.StepSchedulerConfig(ckpt_every_steps=None))
+    validation = nvtrain.ValidationConfig(data=batches(2), **settings)
+    strategy = make_strategy([watch, *hooks], validation=validation, step_scheduler=step_scheduler, num_epochs=epochs)
+    strategy.run(batches(4))
+    return watch.steps
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({}, [4, 8]),  # "auto" with no step cadence: every epoch
+        ({"every_n_epochs": "auto", "every_n_steps": 3}, [3, 6]),  # "auto" gives way to a step cadence
+        ({"every_n_epochs": None}, []),  # never at an epoch's end, and no step cadence
+        ({"every_n_epochs": None, "every_n_steps": 3}, [3, 6]),
+        ({"every_n_epochs": 2}, [8]),
+        ({"every_n_epochs": 1, "every_n_steps": 3}, [3, 4, 6, 8]),  # both
+    ],
+)
+def test_the_epoch_cadence_is_an_int_none_or_auto(
+    make_strategy: Any, batches: Any, settings: dict[str, Any], expected: list[int]
+) -> None:
+    assert _validated(make_strategy, batches, **settings) == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "always", 1.0])
+def test_a_bad_epoch_cadence_is_refused(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"ValidationConfig.every_n_epochs must be an int >= 1, None .* \(got"):
+        nvtrain.ValidationConfig(every_n_epochs=value)
+
+
+def test_the_step_schedulers_val_every_steps_validates_without_an_epoch_cadence(
+    make_strategy: Any, batches: Any
+) -> None:
+    config = nvtrain.StepSchedulerConfig(ckpt_every_steps=None, val_every_steps=3)
+    assert _validated(make_strategy, batches, every_n_epochs=None, step_scheduler=config) == [3, 6]
+
+
+def test_validate_on_checkpoint_follows_the_checkpoints_of_a_plugin_that_saves(
+    make_strategy: Any, batches: Any
+) -> None:
+    config = nvtrain.StepSchedulerConfig(ckpt_every_steps=3, save_checkpoint_every_epoch=False)
+    saver = Saver()
+    assert _validated(make_strategy, batches, saver, every_n_epochs=None, step_scheduler=config) == [3, 6, 8]
+    assert saver.saved == [3, 6, 8]  # 8: the last step
+    off = attrs.evolve(config, validate_on_checkpoint=False)
+    assert _validated(make_strategy, batches, Saver(), every_n_epochs=None, step_scheduler=off) == []
+
+
+def test_without_a_plugin_that_saves_there_is_no_checkpoint_step_to_validate_on(
+    make_strategy: Any, batches: Any
+) -> None:
+    """``ckpt_every_steps`` (default 100) names no step a run validates on when nothing writes checkpoints."""
+    watch = ValidationSteps()
+    config = nvtrain.StepSchedulerConfig(ckpt_every_steps=3, save_checkpoint_every_epoch=False)
+    validation = nvtrain.ValidationConfig(data=batches(2), every_n_epochs=None)
+    strategy = make_strategy([watch], validation=validation, step_scheduler=config, num_epochs=2)
+    strategy.run(batches(4))
+    assert watch.steps == []
+    assert strategy.ctx.scheduler.validate_on_checkpoint is False
+    assert strategy.ctx.scheduler.is_ckpt_step  # the cadence itself still stands (the last step)
+
+
+# -- through nvtrain train ---------------------------------------------------------------------------
+
+
+def _validation_rows(tmp_path: Path, trainer: str, validation: str, hooks: str = "[]") -> list[int]:
+    """Train a 9-step digits job; the steps of metrics.csv's validation rows."""
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        textwrap.dedent(
+            f"""\
+            output_dir: {tmp_path / "out"}
+            device: cpu
+            model: {{factory: nvtrain.builtin.digits:make_classifier, kwargs: {{hidden: 16, depth: 1}}}}
+            data: {{factory: nvtrain.builtin.digits:make_loaders, kwargs: {{batch_size: 64}}}}
+            trainer: {trainer}
+            validation: {validation}
+            logging: {{log_every_n_steps: 1, tensorboard: false, plot: false, progress_bar: false}}
+            hooks: {hooks}
+            """
+        ),
+        encoding="utf-8",
+    )
+    assert main(["train", str(config)]) == 0
+    with (tmp_path / "out" / "job" / "metrics.csv").open(newline="") as file:
+        return [int(row["step"]) for row in csv.DictReader(file) if row["val_loss"]]
+
+
+def test_trainer_val_every_steps_validates_when_the_validation_section_sets_no_cadence(tmp_path: Path) -> None:
+    steps = _validation_rows(tmp_path, "{max_steps: 9, val_every_steps: 4}", "{every_n_epochs: null}")
+    assert steps == [4, 8]
+
+
+def test_validation_every_n_epochs_null_and_no_trainer_cadence_never_validates(tmp_path: Path) -> None:
+    assert _validation_rows(tmp_path, "{max_steps: 9, ckpt_every_steps: 3}", "{every_n_epochs: null}") == []
+
+
+def test_the_trainers_checkpoint_steps_validate_with_the_checkpoint_hook(tmp_path: Path) -> None:
+    pytest.importorskip("nvtrain_checkpoint")
+    steps = _validation_rows(tmp_path, "{max_steps: 9, ckpt_every_steps: 3}", "{every_n_epochs: null}", "[checkpoint]")
+    assert steps == [3, 6, 9]
+    checkpoints = sorted(p.name for p in (tmp_path / "out" / "job" / "checkpoints").glob("step_*"))
+    assert checkpoints == ["step_3", "step_6", "step_9"]
