@@ -147,6 +147,7 @@ def test_every_public_setting_has_a_reader() -> None:
         for field in attrs.fields(cls):
             if field.name.startswith("_") or not field.init:
                 continue
-            if not re.search(rf"\.{re.escape(field.name)}\b", code):
+            # A read: ``.name`` not followed by a plain assignment (``self.name = ...`` only writes it).
+            if not re.search(rf"\.{re.escape(field.name)}\b(?!\s*=[^=])", code):
                 unread.append(f"{cls.__qualname__}.{field.name}")
     assert unread == [], f"settings that nothing in nvtrain or its plugins reads: {unread}"

@@ -16,9 +16,8 @@ import attrs
 import torch
 
 import nvtrain
-from nvtrain.hook import DEFAULT_PRIORITY
 from nvtrain.state import capture_rng_state, capture_state, load_state, strategy_hooks
-from nvtrain.validators import FieldTypeError, one_of, optional_int_at_least, refused, strict_bool, strict_int
+from nvtrain.validators import FieldTypeError, one_of, optional_int_at_least, refused, strict_bool
 from nvtrain_checkpoint import sharded, storage, writer_process
 from nvtrain_checkpoint.export import export_weights
 from nvtrain_checkpoint.snapshot import snapshot
@@ -85,10 +84,11 @@ class CheckpointHook:
     async_save: bool = attrs.field(default=False, validator=strict_bool)
     async_writer: str = attrs.field(default=PROCESS, validator=one_of((PROCESS, THREAD)))
     rank_zero_only: bool = attrs.field(default=True, validator=strict_bool)
-    last_checkpoint_index: int | None = attrs.field(default=None, validator=optional_int_at_least(0))
     keep_last_n: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     resume: str | Path = attrs.field(default=NEVER, converter=_as_resume)
-    priority: int = attrs.field(default=DEFAULT_PRIORITY, validator=strict_int)
+
+    #: The step of the last checkpoint known to be on disk (async: set when the write completes); an output.
+    last_checkpoint_index: int | None = attrs.field(init=False, default=None)
 
     #: The resolved run config (plain data) stored in each manifest, so a resume can say what changed.
     #: ``nvtrain train`` sets it; None leaves it out.

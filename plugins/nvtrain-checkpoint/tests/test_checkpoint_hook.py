@@ -33,12 +33,18 @@ from nvtrain.step_scheduler import StepSchedulerConfig
         ({"rank_zero_only": 1}, TypeError, r"CheckpointHook.rank_zero_only must be True or False"),
         ({"resume": 3}, ValueError, r"CheckpointHook.resume must be 'never', 'auto' or a checkpoint path \(got 3\)"),
         ({"checkpoint_dir": ""}, TypeError, r"CheckpointHook.checkpoint_dir must be a non-empty path"),
-        ({"last_checkpoint_index": -1}, ValueError, r"CheckpointHook.last_checkpoint_index must be an int >= 0"),
     ],
 )
 def test_bad_settings_fail_at_construction(fields: dict[str, Any], error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         CheckpointHook(**{"checkpoint_dir": "ckpt", **fields})
+
+
+@pytest.mark.parametrize("name", ["last_checkpoint_index", "priority"])
+def test_outputs_and_fixed_orders_are_not_settings(tmp_path: Path, name: str) -> None:
+    """``last_checkpoint_index`` is what the hook reports; its stages fix their own priority: neither is accepted."""
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{name}'"):
+        CheckpointHook(tmp_path, **{name: 3})
 
 
 def test_the_seed_example_constructs(tmp_path: Path) -> None:

@@ -61,9 +61,9 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     start_step: int = attrs.field(default=0, validator=int_at_least(0))
     #: Average module buffers (e.g. BatchNorm running statistics) as well.
     use_buffers: bool = attrs.field(default=False, validator=strict_bool)
-    #: EMA updates performed so far; restored from checkpoints.
-    num_updates: int = attrs.field(default=0, validator=int_at_least(0))
     priority: int = attrs.field(default=50, validator=strict_int)
+    #: EMA updates performed so far (an output, restored from checkpoints).
+    num_updates: int = attrs.field(init=False, default=0, validator=int_at_least(0))
 
     _averaged: AveragedModel | ShardedAverage | None = attrs.field(init=False, default=None, repr=False)
     _models: Mapping[str, torch.nn.Module] | None = attrs.field(

@@ -105,13 +105,17 @@ class VetoOn(nvtrain.TrainingUpdateHook):
         ({"decay": "0.9"}, r"EMAHook\.decay must be in \[0\.0, 1\.0\) \(got '0\.9'\)"),
         ({"update_every": 0}, r"EMAHook\.update_every must be an int >= 1 \(got 0\)"),
         ({"start_step": -1}, r"EMAHook\.start_step must be an int >= 0 \(got -1\)"),
-        ({"num_updates": -1}, r"EMAHook\.num_updates must be an int >= 0 \(got -1\)"),
         ({"model_key": ""}, r"EMAHook\.model_key must be a non-empty model name \(got ''\)"),
     ],
 )
 def test_bad_settings_are_refused(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EMAHook(**kwargs)
+
+
+def test_the_update_count_is_an_output_not_a_setting() -> None:
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'num_updates'"):
+        EMAHook(num_updates=3)  # type: ignore[call-arg]
 
 
 def test_use_buffers_must_be_a_bool() -> None:
