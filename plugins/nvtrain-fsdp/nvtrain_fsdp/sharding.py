@@ -8,6 +8,7 @@ root is sharded last and owns whatever parameters no unit took.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -76,8 +77,11 @@ def shard_model(
         "offload_policy": offload_policy or OffloadPolicy(),
     }
     units = sharding_units(model, shard_classes, owner=owner, key=key)
+    # output_dtype is the root's: a unit casting its outputs would hand the next unit another dtype than its
+    # parameters' (float32 weights fed bf16), or cast bf16 activations to float32 and back at every unit.
+    unit_options = {**options, "mp_policy": dataclasses.replace(options["mp_policy"], output_dtype=None)}
     for _, module in units:
-        fully_shard(module, **options)
+        fully_shard(module, **unit_options)
     fully_shard(model, **options)
     return [name for name, _ in units] + [""]
 
