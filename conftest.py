@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -19,6 +20,28 @@ def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.fixture
+def init_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
+    """torchrun's variables for rank 0 of 2; each ``init_process_group`` call is recorded, then made for one
+    rank (an in-memory store instead of a rendezvous that would wait for the second process)."""
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    for name, value in (torchrun | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}).items():
+        monkeypatch.setenv(name, value)
+    calls: list[dict[str, Any]] = []
+    real_init = dist.init_process_group
+
+    def init_process_group(**kwargs: Any) -> None:
+        calls.append(kwargs)
+        real_init(kwargs["backend"], store=dist.HashStore(), rank=0, world_size=1)
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    try:
+        yield calls
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
