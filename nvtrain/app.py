@@ -740,10 +740,9 @@ def _horizon(plan: Plan, steps: int | None, epochs: int | None) -> dict[str, int
     return {name: max(1, (length or 1) - section.warmup_steps) for name in plan.scheduler_total_steps}
 
 
-def _schedule(plan: Plan, horizon: Mapping[str, int]) -> Any:
-    """The configured scheduler as an :class:`~nvtrain.LRSchedule`: the factory with its horizon, behind
-    a warmup when ``warmup_steps`` is set, stepped per ``interval`` or by ``monitor``."""
-    from nvtrain.lr_schedule import LRSchedule
+def _schedule(plan: Plan, horizon: Mapping[str, int]) -> Callable[[torch.optim.Optimizer], Any]:
+    """``optimizer -> scheduler``: the configured factory with its horizon, behind a warmup when
+    ``warmup_steps`` is set (how it is stepped, ``interval`` or ``monitor``, is :func:`_scheduler_factory`'s)."""
     from nvtrain.schedules import warmup
 
     section = plan.config.lr_scheduler
@@ -751,7 +750,7 @@ def _schedule(plan: Plan, horizon: Mapping[str, int]) -> Any:
     factory = functools.partial(plan.scheduler_factory, **horizon) if horizon else plan.scheduler_factory
     if section.warmup_steps:
         factory = warmup(factory, section.warmup_steps)
-    return LRSchedule(factory, interval=section.interval, monitor=section.monitor)
+    return factory
 
 
 def _is_distributed_sampler(sampler: Any) -> bool:
