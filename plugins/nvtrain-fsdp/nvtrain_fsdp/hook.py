@@ -23,7 +23,7 @@ from nvtrain.data_parallel import (
     refuse_other_data_parallel,
     resolve_process_group,
 )
-from nvtrain.validators import FieldTypeError, FieldValueError, a_bool, optional_non_empty_str
+from nvtrain.validators import FieldTypeError, FieldValueError, a_bool, optional_int_at_least, optional_non_empty_str
 from nvtrain_fsdp.sharding import gathered_state_dict, shard_model
 
 __all__ = ["FSDPHook"]
@@ -133,7 +133,8 @@ class FSDPHook(ShardsTrainLoader):
       ``requires_grad`` come first): resolves the process group (``process_group``, else
       the strategy's ``distributed_manager``'s, else the default group; with ``auto_init``
       one is initialised from torchrun's environment), builds a one-dimensional
-      ``DeviceMesh`` over it and applies ``fully_shard`` to each unit of the model (the
+      ``DeviceMesh`` over it (two-dimensional, replicate x shard, with
+      ``replicate_degree``: HSDP) and applies ``fully_shard`` to each unit of the model (the
       modules whose class is in ``shard_classes``, else each top-level child), then to
       the root. ``ctx.models[key]`` stays the same object, now with DTensor parameters,
       so the optimizers built next hold the shards. ``ctx.train_loader`` gets a
@@ -182,6 +183,11 @@ class FSDPHook(ShardsTrainLoader):
     #: Broadcast rank 0's parameters and buffers before sharding, so every rank shards the same model (DDP
     #: does the same at construction). False when every rank built identical weights already.
     sync_module_states: bool = attrs.field(default=True, validator=a_bool)
+    #: Hybrid sharding (HSDP): keep this many replicas of the model, each sharded over a group of consecutive
+    #: ranks (``world_size / replicate_degree`` of them, e.g. one node): a 2-D mesh ``(replicate, shard)``.
+    #: Reduce-scatters stay within a group; one all-reduce of the shards' gradients crosses the replicas.
+    #: None or 1: shard over all ranks.
+    replicate_degree: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     #: Explicit process group; None: the manager's, else the default group.
     process_group: Any = None
     #: Backend when this hook initialises torch.distributed (None: NCCL on CUDA, gloo otherwise).
@@ -225,7 +231,7 @@ class FSDPHook(ShardsTrainLoader):
         if group is None:
             ignored = [
                 name for name in ("param_dtype", "reduce_dtype", "output_dtype") if getattr(self, name) is not None
-            ] + (["cpu_offload"] if self.cpu_offload else [])
+            ] + (["cpu_offload"] if self.cpu_offload else []) + (["replicate_degree"] if self._hybrid else [])
             logger.info("FSDPHook: single process (no process group, WORLD_SIZE <= 1); models are not sharded")
             if ignored:
                 logger.warning(
@@ -245,7 +251,7 @@ class FSDPHook(ShardsTrainLoader):
         world_size = dist.get_world_size(group)
         if ctx.world_size == 1 and world_size > 1:
             ctx.rank, ctx.world_size = dist.get_rank(group), world_size
-        self._mesh = DeviceMesh.from_group(group, device_type=ctx.device.type, mesh_dim_names=("dp",))
+        self._mesh = self._device_mesh(group, ctx.device.type)
         for key in self._keys(ctx):
             model = ctx.models[key]
             if isinstance(model, FSDPModule):
@@ -253,6 +259,33 @@ class FSDPHook(ShardsTrainLoader):
                 continue
             self._shard(key, model)
         self._prepare_loader(ctx)
+
+    @property
+    def _hybrid(self) -> bool:
+        return self.replicate_degree is not None and self.replicate_degree > 1
+
+    def _device_mesh(self, group: Any, device_type: str) -> DeviceMesh:
+        """One dimension over ``group``; with ``replicate_degree``, ``(replicate, shard)`` over its ranks."""
+        degree = self.replicate_degree
+        if degree is None or not self._hybrid:
+            return DeviceMesh.from_group(group, device_type=device_type, mesh_dim_names=("dp",))
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) % degree:
+            raise FieldValueError(
+                f"FSDPHook.replicate_degree={degree} must divide the number of ranks ({len(ranks)}): each replica "
+                f"is sharded over {len(ranks)} / replicate_degree ranks",
+                owner="FSDPHook", field="replicate_degree", value=degree, expected=f"a divisor of {len(ranks)}",
+            )
+        if len(ranks) != dist.get_world_size():
+            # DeviceMesh builds the replicate and shard groups with collectives over every process of the job.
+            raise FieldValueError(
+                f"FSDPHook.replicate_degree={degree} needs every rank of the job (world size "
+                f"{dist.get_world_size()}), but the hook trains over a process group of {len(ranks)} ranks; drop "
+                "process_group= or replicate_degree",
+                owner="FSDPHook", field="replicate_degree", value=degree, expected="None with a process subgroup",
+            )
+        layout = torch.tensor(ranks, dtype=torch.int).view(degree, len(ranks) // degree)
+        return DeviceMesh(device_type, layout, mesh_dim_names=("replicate", "shard"))
 
     def _refuse_autocast(self, ctx: nvtrain.TrainingContext) -> None:
         """The amp plugin's autocast with FSDP's param_dtype casts twice; its fp16 scaling is not shard-aware."""

@@ -54,9 +54,7 @@ def global_batches(x: torch.Tensor, y: torch.Tensor, count: int, world_size: int
     An unshuffled DistributedSampler gives rank r the samples r, r + W, r + 2W, ...
     """
     shards = [torch.arange(rank, x.shape[0], world_size) for rank in range(world_size)]
-    return [
-        torch.cat([shard[k * LOCAL_BATCH : (k + 1) * LOCAL_BATCH] for shard in shards]) for k in range(count)
-    ]
+    return [torch.cat([shard[k * LOCAL_BATCH : (k + 1) * LOCAL_BATCH] for shard in shards]) for k in range(count)]
 
 
 def reference(
@@ -200,7 +198,8 @@ def equivalence(out: Path) -> None:
             "sharded": isinstance(model, FSDPModule),
             "param_types": sorted({type(p).__name__ for p in params}),
             "local_rows": [p.to_local().shape[0] for p in params],
-            "optimizer_holds_the_shards": [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in params],
+            "optimizer_holds_the_shards": [id(p) for p in optimizer.param_groups[0]["params"]]
+            == [id(p) for p in params],
             "optimizer_state_types": sorted({type(v).__name__ for s in optimizer.state.values() for v in s.values()}),
             "units": hook.units,
             "sampler": type(strategy.ctx.train_loader.sampler).__name__,
@@ -291,9 +290,7 @@ def ema(out: Path) -> None:
     manager = nvtrain.DistributedManager.initialize(device="cpu")
     x, y = make_data(32)
     averaging = CommCountingEMA(decay=0.5)
-    strategy = strategy_for(
-        manager, [FSDPHook(), averaging], validation=nvtrain.ValidationConfig(use_ema=True)
-    )
+    strategy = strategy_for(manager, [FSDPHook(), averaging], validation=nvtrain.ValidationConfig(use_ema=True))
     with strategy:
         strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
         averaged = averaging.get_averaged_model()
@@ -355,7 +352,39 @@ def bf16(out: Path) -> None:
     finish(manager)
 
 
-SCENARIOS = {f.__name__: f for f in (equivalence, accumulation, clipping, spike_skip, ema, bf16)}
+def hsdp(out: Path) -> None:
+    """4 ranks as 2 replicas x 2 shards (HSDP) with clipping and EMA == 1 process on the global batches;
+    the sharded checkpoint it writes holds each replicated shard once and exports the same weights."""
+    from nvtrain_checkpoint import CheckpointHook
+
+    manager = nvtrain.DistributedManager.initialize(device="cpu")
+    x, y = make_data(64)
+    hook = FSDPHook(replicate_degree=2)
+    record, averaging = RecordNorms(), CommCountingEMA(decay=0.5)
+    checkpoint = CheckpointHook(out / "checkpoints")
+    strategy = strategy_for(manager, [hook, GradientClippingHook(max_norm=0.05), record, averaging, checkpoint])
+    with strategy:
+        strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
+        params = list(strategy.ctx.models["main"].parameters())
+        assert hook.mesh is not None
+        payload = {
+            "params": gathered(strategy.ctx.models["main"]),
+            "mesh": hook.mesh.mesh.tolist(),
+            "mesh_dims": hook.mesh.mesh_dim_names,
+            "placements": sorted({str(p.placements) for p in params}),  # type: ignore[attr-defined]
+            "local_rows": [p.to_local().shape[0] for p in params],  # type: ignore[attr-defined]
+            "norms": [n.detach().clone() for n in record.norms],
+            "ema": list(averaging.averaged_weights().values()),
+            "ema_comms_per_update": averaging.comms,
+        }
+    save(out, f"rank{manager.rank}.pt", payload)
+    if manager.rank == 0:
+        ref = reference(x, y, steps=4, world_size=manager.world_size, max_norm=0.05, ema_decay=0.5)
+        save(out, "reference.pt", ref)
+    finish(manager)
+
+
+SCENARIOS = {f.__name__: f for f in (equivalence, accumulation, clipping, spike_skip, ema, bf16, hsdp)}
 
 
 def main(out_dir: Path, scenarios: list[str]) -> None:

@@ -28,6 +28,7 @@ UNITS = 2
 
 pytestmark = pytest.mark.slow
 
+
 def launch(worker: Path, out: Path, *scenarios: str, nprocs: int = 2) -> None:
     """Start ``nprocs`` ranks of ``worker`` on the CPU, with the environment torchrun would give them."""
     run_ranks(worker, [str(out), *scenarios], nprocs=nprocs, scenarios=len(scenarios), timeout_s=TIMEOUT_S)
@@ -135,6 +136,35 @@ def test_ema_of_a_sharded_model_stays_sharded_and_gathers_for_validation(suite: 
     assert_same_across_ranks(list(results[0]["weights"].values()), list(results[1]["weights"].values()))
 
 
+def test_hybrid_sharding_replicates_over_groups_of_shards(tmp_path: Path) -> None:
+    """replicate_degree=2 on 4 ranks: a (replicate, shard) mesh, each parameter split in two and kept twice;
+    with clipping and EMA it still equals one process on the global batches."""
+    from nvtrain_checkpoint import export_weights
+
+    launch(WORKER, tmp_path, "hsdp", nprocs=4)
+    out = tmp_path / "hsdp"
+    results = [load(out, f"rank{r}.pt") for r in range(4)]
+    reference = load(out, "reference.pt")
+    for rank, result in enumerate(results):
+        assert result["mesh"] == [[0, 1], [2, 3]] and result["mesh_dims"] == ("replicate", "shard")
+        assert result["placements"] == ["(Replicate(), Shard(dim=0))"]
+        # Linear(4, 16) and Linear(16, 3) split in two along dim 0, whichever replica the rank is in
+        assert result["local_rows"] == ([8, 8, 2, 2] if rank % 2 == 0 else [8, 8, 1, 1])
+        assert result["ema_comms_per_update"] == [0, 0, 0, 0]
+        for got, want in zip(result["norms"], reference["norms"], strict=True):
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=0.0)
+        assert_close_to(result["ema"], reference["ema"])
+    for other in results[1:]:
+        assert_same_across_ranks(results[0]["params"], other["params"])
+    assert_close_to(results[0]["params"], reference["params"])
+    # The sharded checkpoint consolidates in one process into the weights the ranks gathered, bit for bit.
+    exported = export_weights(out / "checkpoints", tmp_path / "model.pt")
+    weights = torch.load(exported, weights_only=True)
+    assert_same_across_ranks(list(weights.values()), results[0]["params"])
+    averaged = torch.load(export_weights(out / "checkpoints", tmp_path / "ema.pt", ema=True), weights_only=True)
+    assert_same_across_ranks(list(averaged.values()), results[0]["ema"])
+
+
 def test_bf16_mixed_precision_keeps_fp32_shards_and_outputs(suite: Path) -> None:
     out = suite / "bf16"
     results = ranks(out)
@@ -172,7 +202,9 @@ def test_nvtrain_train_under_torchrun_shards_with_hooks_fsdp(tmp_path: Path) -> 
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "nvtrain", "train", str(config), "--set", f"output_dir={tmp_path / 'out'}",
     ]  # fmt: skip
-    process = subprocess.run(command, cwd=tmp_path, env=rank_environment(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    process = subprocess.run(
+        command, cwd=tmp_path, env=rank_environment(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     assert process.returncode == 0, (process.stdout + process.stderr)[-6000:]
     run = tmp_path / "out" / "digits-fsdp"
     rows = (run / "metrics.csv").read_text(encoding="utf-8").splitlines()

@@ -244,3 +244,40 @@ def test_cpu_offload_keeps_the_shards_in_host_memory(offload: bool, shard_device
     assert outputs is not None and outputs.device.type == "cuda"  # computed on the GPU either way
     shards = [p.to_local() for p in model.parameters() if isinstance(p, DTensor)]
     assert len(shards) == 6 and {shard.device.type for shard in shards} == {shard_device}
+
+
+# -- replicate_degree (HSDP; the 4-rank run is in test_fsdp_multiprocess.py) -----------------------------
+
+
+def test_replicate_degree_must_be_at_least_one() -> None:
+    with pytest.raises(ValueError, match=r"FSDPHook.replicate_degree must be an int >= 1 or None \(got 0\)"):
+        FSDPHook(replicate_degree=0)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_replicate_degree_must_divide_the_ranks() -> None:
+    message = r"FSDPHook.replicate_degree=2 must divide the number of ranks \(1\)"
+    with (
+        pytest.raises(ValueError, match=message),
+        make_strategy(FSDPHook(replicate_degree=2), make_model()) as strategy,
+    ):
+        strategy.setup()
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_replicate_degree_needs_the_whole_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group of 2 ranks in a job of more (here: of one, with the group's ranks made up) is refused."""
+    group = dist.new_group([0])
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: [0, 1] if g is group else [0])
+    hook = FSDPHook(replicate_degree=2, process_group=group)
+    message = r"replicate_degree=2 needs every rank of the job \(world size 1\), but .* group of 2 ranks"
+    with pytest.raises(ValueError, match=message), make_strategy(hook, make_model()) as strategy:
+        strategy.setup()
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_replicate_degree_one_is_plain_sharding() -> None:
+    hook = FSDPHook(replicate_degree=1)
+    with make_strategy(hook, make_model()) as strategy:
+        strategy.setup()
+        assert hook.mesh is not None and hook.mesh.mesh_dim_names == ("dp",)
