@@ -456,7 +456,7 @@ def build(
     loaded, config = plan.loaded, plan.config
     rank = manager.rank if manager is not None else 0
     world_size = manager.world_size if manager is not None else 1
-    model = _constructing(loaded, ("model",), config.model.factory, lambda: plan.model_factory(**config.model.kwargs))
+    model = _constructing(loaded, ("model",), config.model.factory, lambda: _build_model(plan))
     if not isinstance(model, torch.nn.Module):
         raise loaded.error(
             f"{config.model.factory} returned {type(model).__name__}, not a torch.nn.Module", ("model", "factory")
@@ -738,6 +738,21 @@ def _horizon(plan: Plan, steps: int | None, epochs: int | None) -> dict[str, int
         return {}
     length = epochs if section.interval == "epoch" else steps
     return {name: max(1, (length or 1) - section.warmup_steps) for name in plan.scheduler_total_steps}
+
+
+def _build_model(plan: Plan) -> Any:
+    """The model factory's result; with ``model.init_device: meta``, built without memory for FSDP to shard."""
+    section = plan.config.model
+    if section.init_device != "meta":
+        return plan.model_factory(**section.kwargs)
+    if not any(getattr(hook, "materializes_meta_models", False) for hook in plan.hooks):
+        raise plan.loaded.error(
+            "model.init_device: meta builds a model with no weights, which a hook must allocate and initialise; "
+            "add the fsdp hook (hooks: [fsdp]), which does so for each rank's shards, or drop init_device",
+            ("model", "init_device"),
+        )
+    with torch.device("meta"):
+        return plan.model_factory(**section.kwargs)
 
 
 def _schedule(plan: Plan, horizon: Mapping[str, int]) -> Callable[[torch.optim.Optimizer], Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -505,12 +506,16 @@ class TrainingStrategy:
             if train_loader is not None and (train_loader is not self._setup_loader or ctx.train_loader is None):
                 ctx.train_loader = train_loader
             return
+        on_meta = [name for name, model in ctx.models.items() if on_meta_device(model)]
+        self._check_meta_models(on_meta, "before SETUP")
         for name, model in ctx.models.items():
-            ctx.models[name] = model.to(self.device)
+            if name not in on_meta:  # a plugin materialises those (FSDP shards them first): nothing to move
+                ctx.models[name] = model.to(self.device)
         ctx.train_loader = train_loader
         ctx.stage = _SETUP
         self.registry.bus.setup(ctx)
         self._setup_loader = train_loader
+        self._check_meta_models([name for name in on_meta if on_meta_device(ctx.models[name])], "after SETUP")
         for name, factory in self.optimizers.items():
             params = [p for p in ctx.models[name].parameters() if p.requires_grad]
             if not params:
@@ -527,6 +532,25 @@ class TrainingStrategy:
         self._schedules = plan_schedules(self.lr_schedulers, ctx.lr_schedulers)
         self.registry.bind(ctx.optimizers, self._per_step_schedulers())
         self._is_set_up = True
+
+    def _check_meta_models(self, names: Sequence[str], when: str) -> None:
+        """Models built on the meta device hold no weights: a plugin that materialises them must be registered."""
+        if not names:
+            return
+        listed = ", ".join(repr(name) for name in names)
+        materialisers = [hook_label(p) for p in self.bus.plugins() if getattr(p, "materializes_meta_models", False)]
+        if when == "before SETUP" and not materialisers:
+            raise ValueError(
+                f"TrainingStrategy: model {listed} has parameters on the meta device (built under "
+                "torch.device('meta')), and no registered hook materialises meta models; register FSDPHook, "
+                "which shards such a model and then allocates and initialises each rank's shards, or build the "
+                "model on a real device"
+            )
+        if when == "after SETUP":
+            raise ValueError(
+                f"TrainingStrategy: model {listed} still has parameters on the meta device after SETUP; "
+                f"{', '.join(materialisers)} did not materialise it (is it among the hook's model_keys?)"
+            )
 
     # -- validation -----------------------------------------------------------------------------
 
@@ -748,6 +772,11 @@ def _local_batch_size(loader: Any) -> int:
     """Samples per micro-batch: the loader's ``batch_size`` when it has one, else 1."""
     size = getattr(loader, "batch_size", None)
     return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else 1
+
+
+def on_meta_device(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device (its parameters or buffers hold no storage)."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def _split_pair(batch: Any) -> tuple[Any, Any]:

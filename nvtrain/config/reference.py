@@ -27,6 +27,7 @@ def _type_label(annotation: Any) -> str:
     text = re.sub(r"tuple\[(.+), \.\.\.\]", r"list[\1]", text)
     text = text.replace("dict[str, Any]", "mapping").replace("Literal[True, False, 'auto']", "true | false | auto")
     text = re.sub(r"Literal\[([^\]]+)\]", lambda m: " | ".join(v.strip(" '") for v in m.group(1).split(",")), text)
+    text = re.sub(r"Optional\[(.+)\]", r"\1 | null", text)
     text = text.replace("list[HookConfig]", "list of hooks")
     for _, cls in SECTIONS:
         text = text.replace(cls.__name__, "section")

@@ -129,6 +129,14 @@ class ModelConfig:
         validator=_import_path,
         metadata=_doc("Optional `fn(ctx) -> outputs` for batches that are not `(inputs, targets)`."),
     )
+    init_device: Literal["meta"] | None = attrs.field(
+        default=None,
+        metadata=_doc(
+            "`meta`: call the factory under `torch.device(\"meta\")`, allocating nothing; the `fsdp` hook shards "
+            "the model, then allocates and initialises each rank's shards (its `meta_init`), so no process holds "
+            "the whole model. null: where the factory builds it."
+        ),
+    )
 
 
 @attrs.frozen

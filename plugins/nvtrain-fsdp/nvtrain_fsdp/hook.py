@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import attrs
@@ -23,7 +25,15 @@ from nvtrain.data_parallel import (
     refuse_other_data_parallel,
     resolve_process_group,
 )
-from nvtrain.validators import FieldTypeError, FieldValueError, a_bool, optional_int_at_least, optional_non_empty_str
+from nvtrain.strategy import on_meta_device
+from nvtrain.validators import (
+    FieldTypeError,
+    FieldValueError,
+    a_bool,
+    non_empty_str,
+    optional_int_at_least,
+    optional_non_empty_str,
+)
 from nvtrain_fsdp.sharding import gathered_state_dict, shard_model
 
 __all__ = ["FSDPHook"]
@@ -162,6 +172,8 @@ class FSDPHook(ShardsTrainLoader):
     priority: ClassVar[int] = 50
     #: Wraps models for data parallelism: no other such hook (DDP) may be registered beside it.
     data_parallel: ClassVar[bool] = True
+    #: Allocates and initialises models built on the meta device (the strategy leaves them to this hook).
+    materializes_meta_models: ClassVar[bool] = True
 
     #: Models to shard; None shards every model that has an optimizer.
     model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_model_keys)
@@ -183,6 +195,10 @@ class FSDPHook(ShardsTrainLoader):
     #: Broadcast rank 0's parameters and buffers before sharding, so every rank shards the same model (DDP
     #: does the same at construction). False when every rank built identical weights already.
     sync_module_states: bool = attrs.field(default=True, validator=a_bool)
+    #: A model built on the meta device (``torch.device("meta")``: no memory) is sharded first; then each rank
+    #: allocates its shards on the strategy's device and calls this method on every submodule that has one
+    #: (torch's layers have ``reset_parameters``; name a root ``init_weights`` that initialises everything).
+    meta_init: str = attrs.field(default="reset_parameters", validator=non_empty_str("method name"))
     #: Hybrid sharding (HSDP): keep this many replicas of the model, each sharded over a group of consecutive
     #: ranks (``world_size / replicate_degree`` of them, e.g. one node): a 2-D mesh ``(replicate, shard)``.
     #: Reduce-scatters stay within a group; one all-reduce of the shards' gradients crosses the replicas.
@@ -239,6 +255,9 @@ class FSDPHook(ShardsTrainLoader):
                     "(MixedPrecisionHook gives bf16 in one process)",
                     ", ".join(ignored),
                 )
+            for key in self._keys(ctx):  # one script for python and torchrun: a meta model is still built here
+                if on_meta_device(ctx.models[key]):
+                    self._materialise(key, ctx.models[key], ctx.device)
             return
         if self.cpu_offload and ctx.device.type != "cuda":
             raise FieldValueError(
@@ -342,14 +361,15 @@ class FSDPHook(ShardsTrainLoader):
         if not trainable:
             raise ValueError(f"FSDPHook: model {key!r} has no trainable parameters; leave it out of model_keys")
         assert self._mesh is not None
+        meta = on_meta_device(model)
         devices = {p.device for p in model.parameters()}
         mesh_type = self._mesh.device_type
-        if any(device.type != mesh_type for device in devices):
+        if not meta and any(device.type != mesh_type for device in devices):
             raise ValueError(
                 f"FSDPHook: model {key!r} has parameters on {sorted(str(d) for d in devices)} but the strategy trains "
                 f"on {mesh_type}; move the model to the strategy's device (TrainingStrategy does so before SETUP)"
             )
-        if self.sync_module_states:
+        if self.sync_module_states and not meta:  # a meta model has nothing to broadcast; each rank inits alike
             _broadcast_from_first_rank(model, self._group)
         self._units[key] = shard_model(
             model,
@@ -361,7 +381,38 @@ class FSDPHook(ShardsTrainLoader):
             key=key,
         )
         assert isinstance(model, FSDPModule)
+        if meta:  # offloaded shards live in host memory
+            assert self._ctx is not None
+            self._materialise(key, model, torch.device("cpu") if self.cpu_offload else self._ctx.device)
         self._sharded[key] = model
+
+    def _materialise(self, key: str, model: torch.nn.Module, device: torch.device) -> None:
+        """Allocate a meta model's (sharded) tensors on ``device`` and initialise them with ``meta_init``."""
+        name = self.meta_init
+        initialisers = [method for module in model.modules() if callable(method := getattr(module, name, None))]
+        if not initialisers:
+            raise FieldValueError(
+                f"FSDPHook.meta_init={name!r}: model {key!r} was built on the meta device, but none of its modules "
+                f"has a method {name!r} to initialise its weights once they are allocated; name the method that "
+                "does (e.g. a root init_weights) or build the model on a real device",
+                owner="FSDPHook", field="meta_init", value=name, expected="a method some module of the model has",
+            )
+        model.to_empty(device=device)
+        with torch.no_grad(), self._init_rng():
+            for initialise in initialisers:
+                initialise()
+
+    def _init_rng(self) -> contextlib.AbstractContextManager[Any]:
+        """Random initialisation of the shards. On CUDA, DTensor's RNG makes each shard the matching part of the
+        full tensor's draw. CPU meshes lack it: there every shard index draws from a stream of its own (seeded from
+        the first rank's seed), so shards differ and HSDP replicas of one shard agree; training's stream is kept."""
+        mesh = self._mesh
+        if mesh is None or mesh.device_type != "cpu":
+            return contextlib.nullcontext()
+        base = torch.tensor([torch.initial_seed() % 2**62])
+        dist.broadcast(base, src=_first_rank(self._group), group=self._group)
+        shard_index = mesh.get_local_rank(mesh.mesh_dim_names[-1] if mesh.mesh_dim_names else -1)
+        return _seeded(hash((int(base), shard_index)) % 2**62)
 
     # -- data --------------------------------------------------------------------------------
 
@@ -420,9 +471,22 @@ class FSDPHook(ShardsTrainLoader):
 
 
 @torch.no_grad()
+def _first_rank(group: Any) -> int:
+    return dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Draw from ``seed`` (DTensor random ops then use this process's stream, which is what they warn about)."""
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        torch.manual_seed(seed)
+        yield
+
+
 def _broadcast_from_first_rank(model: torch.nn.Module, group: Any) -> None:
     """Every rank takes the parameters and buffers of the group's first rank (once, at SETUP)."""
-    source = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    source = _first_rank(group)
     tensors = [t for t in (*model.parameters(), *model.buffers())]
     for tensor in dict.fromkeys(tensors):  # tied weights once
         dist.broadcast(tensor.data, src=source, group=group)

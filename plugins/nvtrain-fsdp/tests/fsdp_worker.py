@@ -377,6 +377,18 @@ def hsdp(out: Path) -> None:
             "ema": list(averaging.averaged_weights().values()),
             "ema_comms_per_update": averaging.comms,
         }
+    # The same layout for a model built on the meta device: each shard initialised from a stream of its own
+    # on the CPU, the replicas of one shard alike, and the training stream left as it was.
+    before = torch.get_rng_state()
+    with torch.device("meta"):
+        meta_model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    meta = nvtrain.TrainingStrategy(
+        meta_model, adamw, torch.nn.functional.mse_loss, hooks=[FSDPHook(replicate_degree=2)], device="cpu"
+    )
+    with meta:
+        meta.setup()
+        payload["meta_init"] = gathered(meta.ctx.models["main"])
+    payload["rng_kept"] = torch.equal(before, torch.get_rng_state())
     save(out, f"rank{manager.rank}.pt", payload)
     if manager.rank == 0:
         ref = reference(x, y, steps=4, world_size=manager.world_size, max_norm=0.05, ema_decay=0.5)

@@ -163,6 +163,14 @@ def test_hybrid_sharding_replicates_over_groups_of_shards(tmp_path: Path) -> Non
     assert_same_across_ranks(list(weights.values()), results[0]["params"])
     averaged = torch.load(export_weights(out / "checkpoints", tmp_path / "ema.pt", ema=True), weights_only=True)
     assert_same_across_ranks(list(averaged.values()), results[0]["ema"])
+    # A meta-device model on the same mesh: the replicas of a shard initialised alike (else the gathered
+    # weights would differ between replicas), the two shards of a weight drawn apart (on the CPU they are
+    # separate streams), and no rank's training RNG touched.
+    for other in results[1:]:
+        assert_same_across_ranks(results[0]["meta_init"], other["meta_init"])
+    first_weight = results[0]["meta_init"][0]
+    assert not torch.equal(first_weight[:8], first_weight[8:])
+    assert all(result["rng_kept"] for result in results)
 
 
 def test_bf16_mixed_precision_keeps_fp32_shards_and_outputs(suite: Path) -> None:
