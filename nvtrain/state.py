@@ -360,7 +360,12 @@ def apply_scheduler_state(strategy: TrainingStrategy, state: Mapping[str, Any]) 
     if isinstance(rank_rng, Mapping) and "loader" in rank_rng and isinstance(saved, Mapping):
         # rank 0 wrote the checkpoint for every rank: each rank's StatefulDataLoader state is its own
         saved = {**saved, "loader": rank_rng["loader"]}
-    load(saved)
+    try:
+        load(saved)
+    except ResumeError:
+        raise
+    except ValueError as err:  # a data position this job's loader cannot continue
+        raise ResumeError(str(err)) from None
 
 
 def _apply_hook_states(strategy: TrainingStrategy, saved: Mapping[str, Any], *, legacy: bool = False) -> None:

@@ -39,6 +39,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from nvtrain.data_resharding import global_order, resharded_position
 from nvtrain.epoch_reader import NO_ITEM, EpochReader, loader_len, loader_parts
 from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
 from nvtrain.validators import int_at_least, optional_int_at_least
@@ -642,6 +643,7 @@ class StepScheduler:
             "dp_size": self.dp_size,
             "grad_acc_steps": self.grad_acc_steps,
             "loader_len": self._loader_len,
+            "global_order": global_order(self.dataloader),
         }
 
     def _saved_position(self) -> tuple[int, int, dict[str, Any] | None]:
@@ -691,15 +693,10 @@ class StepScheduler:
         saved = dict(state["config"])
         mine = self._config()
         differ = {key: (saved.get(key), mine[key]) for key in _CONFIG_KEYS if saved.get(key) != mine[key]}
-        if differ:
-            details = ", ".join(f"{key}: saved {was!r}, now {now!r}" for key, (was, now) in differ.items())
-            raise ValueError(
-                f"StepScheduler.load_state_dict: the checkpoint was written with a different configuration "
-                f"({details}); resuming would replay different data. Use the same global/local batch size, "
-                "data-parallel size and dataset"
-            )
         for key in ("step", "epoch", "position"):
             _check_int("StepScheduler.load_state_dict", key, state[key], 0)
+        if differ:
+            state = self._resharded(state, saved, mine, differ)
         loader_state = self._reader.check_loader_entry(state.get("loader"), "StepScheduler.load_state_dict")
         self.step, self.epoch, self._position = int(state["step"]), int(state["epoch"]), int(state["position"])
         self._reader.load(state.get("epoch_rng"), loader_state, self._position)
@@ -711,6 +708,29 @@ class StepScheduler:
             False,
             None,
         )
+
+    def _resharded(
+        self, state: dict[str, Any], saved: dict[str, Any], mine: dict[str, Any], differ: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``state`` with its position carried over to this job's ranks and local batch size (see
+        :mod:`nvtrain.data_resharding`), or a ValueError saying why it cannot be."""
+        details = ", ".join(f"{key}: saved {was!r}, now {now!r}" for key, (was, now) in differ.items())
+        try:  # _CONFIG_KEYS: what may change is the ranks, local batch size and accumulation, not the global batch
+            position = resharded_position(saved, mine, int(state["position"]))
+        except ValueError as err:
+            raise ValueError(
+                f"StepScheduler.load_state_dict: the checkpoint was written with a different configuration "
+                f"({details}) and its data position cannot be carried over: {err}. Use the same global/local batch "
+                "size, data-parallel size and dataset, or restore without the data position"
+            ) from None
+        if position:
+            logger.info(
+                "StepScheduler: continuing epoch %d at sample %d of its order (saved with %s ranks x %s samples, now "
+                "%s x %s): micro-batch %d here",
+                int(state["epoch"]) + 1, position * mine["local_batch_size"] * mine["dp_size"], saved["dp_size"],
+                saved["local_batch_size"], mine["dp_size"], mine["local_batch_size"], position,
+            )
+        return {**state, "position": position, "loader": None}
 
     def _seed_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The seed's ``{"step", "epoch"}``: the start of that epoch's data, counters at ``step``."""

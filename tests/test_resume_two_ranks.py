@@ -163,3 +163,29 @@ def test_two_ranks_resume_bitwise_and_each_reads_only_its_unconsumed_samples(run
         state = read_checkpoint(runs / variant / "straight" / f"step_{SAVE_AT}")
         by_rank = [entry["loader"]["state"] for entry in state["rng_by_rank"]]
         assert state["scheduler"]["loader"]["state"] == by_rank[0] != by_rank[1]
+
+
+def test_one_process_continues_the_two_ranks_epoch_on_the_same_samples(runs: Path, tmp_path: Path) -> None:
+    """An elastic resume: the 2-rank checkpoint (4 samples a rank) continued by one process reading 8 a step
+    through a DistributedSampler of one replica. Every step trains on the samples the two ranks' step did,
+    and only the unconsumed ones are read."""
+    from nvtrain_checkpoint import CheckpointHook
+
+    dataset = CountingDataset(SAMPLES)
+    sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=WORLD_SIZE * BATCH, sampler=sampler)
+    recorder = RecordSamples(dataset)
+    hook = CheckpointHook(tmp_path, resume=runs / "dataloader" / "straight" / f"step_{SAVE_AT}")
+    epoch_end = SAMPLES // (WORLD_SIZE * BATCH)
+    with make_strategy([hook, recorder], epoch_end) as strategy:
+        strategy.run(loader)
+    assert strategy.ctx.step_count == epoch_end
+    straight = [torch.load(runs / "dataloader" / f"straight-rank{r}.pt", weights_only=True) for r in range(2)]
+    expected = [
+        set().union(*(run["trained"][step * BATCH : (step + 1) * BATCH] for run in straight))
+        for step in range(SAVE_AT, epoch_end)
+    ]
+    size = WORLD_SIZE * BATCH
+    trained = recorder.samples
+    assert [set(trained[i * size : (i + 1) * size]) for i in range(epoch_end - SAVE_AT)] == expected
+    assert dataset.read() == trained

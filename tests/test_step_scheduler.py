@@ -371,6 +371,7 @@ def test_state_dict_records_the_configuration_to_match() -> None:
         "dp_size": 1,
         "grad_acc_steps": 2,
         "loader_len": 4,
+        "global_order": None,  # a plain list: no DistributedSampler fixes a global sample order
     }
 
 

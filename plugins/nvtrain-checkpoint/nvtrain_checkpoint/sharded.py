@@ -351,10 +351,11 @@ def load_sharded(
     ranks), then the rest of the state is applied by ``load_state``. Every rank of the job
     calls it. ``directory`` must have been verified.
 
-    The data position (the step scheduler's state) belongs to the saving job's samplers:
-    with another number of ranks it cannot be resumed, and this raises unless
-    ``data_position=False``, which leaves it out (the run then starts the saved epoch's
-    data from its beginning).
+    The data position (the step scheduler's state) carries over to another number of
+    ranks when the epochs are read through a DistributedSampler and the global batch
+    size is the same (:mod:`nvtrain.data_resharding`); otherwise the step scheduler
+    refuses it, and ``data_position=False`` leaves it out (the run then starts the saved
+    epoch's data from its beginning).
     """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -365,18 +366,8 @@ def load_sharded(
         check_state(rest, source=str(directory / storage.STATE_NAME))
     except (TypeError, ValueError) as err:
         raise storage.CheckpointError(str(err)) from None
-    saved_ranks = storage.read_manifest(directory)["sharded"].get("world_size")
-    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if not data_position:
         rest["scheduler"] = None
-    elif saved_ranks != ranks and rest.get("scheduler") is not None:
-        raise ResumeError(
-            f"{source} was written by {saved_ranks} ranks and this job has {ranks}: the weights and optimizer "
-            f"state reshard, but the data position belongs to {saved_ranks} ranks' samplers. Resume on "
-            f"{saved_ranks} ranks, or restore without the data position: "
-            "CheckpointHook.load_into(strategy, path, data_position=False) after strategy.setup(train_loader) "
-            "(the run then starts the saved epoch's data from its beginning)"
-        )
     for kind, live in (("models", ctx.models), ("optimizers", ctx.optimizers)):
         if set(rest[kind]) != set(live):
             raise ResumeError(

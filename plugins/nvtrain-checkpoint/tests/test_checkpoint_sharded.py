@@ -156,11 +156,12 @@ def test_one_process_loads_the_two_rank_checkpoint_resharded(
     step_4 = saved / "save" / "checkpoints" / "step_4"
     ema = worker.EMAHook(decay=0.5)
     record = worker.Record(ema, ())
-    # resume= keeps the data position, which belongs to two ranks' samplers: refused, saying what to do
+    # resume= keeps the data position, which one process with half the global batch cannot continue:
+    # refused, saying what to do
     hook = CheckpointHook(tmp_path, resume=step_4)
     with worker.make_strategy(hook, ema, record) as strategy, pytest.raises(
-        ResumeError, match=r"written by 2 ranks and this job has 1: the weights and optimizer state reshard.*"
-        r"data_position=False"
+        ResumeError, match=r"dp_size: saved 2, now 1.*cannot be carried over: the global batch size differs "
+        r"\(saved 8, now 4\).*restore without the data position"
     ):
         strategy.run(worker.make_loader(1))
     hook = CheckpointHook(tmp_path)

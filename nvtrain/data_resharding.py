@@ -1,0 +1,80 @@
+"""A data position saved by one number of ranks, continued on another (an elastic resume).
+
+Under a ``DistributedSampler`` an epoch is one global sequence: a permutation of the
+data set drawn from ``seed + epoch`` alone, of which rank r of W reads positions
+r, r + W, r + 2W, ... So after k optimizer steps of ``global_batch_size`` samples the
+ranks have together read exactly the first ``k * global_batch_size`` positions, whatever
+W and the local batch size were. A job with another number of ranks (or local batch
+size, with accumulation making up the same global batch) that opens the same epoch at
+micro-batch ``k * global_batch_size / (local_batch_size * W')`` reads exactly the
+positions after those: each later step trains on the samples the saving job's step
+would have. Only the padding at the epoch's very end (``DistributedSampler`` repeats
+samples so every rank gets as many) depends on W.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from nvtrain.data_cursor import is_stateful_dataloader
+
+__all__ = ["global_order", "resharded_position"]
+
+
+def global_order(loader: Any) -> dict[str, Any] | None:
+    """What fixes ``loader``'s epochs as one global sequence on any number of ranks, or None when nothing does.
+
+    That is a torch ``DataLoader`` over a map-style data set whose sampler is a
+    ``DistributedSampler`` batched by a plain ``BatchSampler``; the sequence depends on
+    the data set's length and the sampler's ``shuffle``, ``seed`` and ``drop_last``.
+    """
+    if not isinstance(loader, DataLoader) or is_stateful_dataloader(loader):
+        return None
+    sampler = loader.sampler
+    if not isinstance(sampler, DistributedSampler) or type(loader.batch_sampler) is not BatchSampler:
+        return None
+    try:
+        samples = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return {"samples": samples, "shuffle": sampler.shuffle, "seed": sampler.seed, "drop_last": sampler.drop_last}
+
+
+def resharded_position(saved: dict[str, Any], mine: dict[str, Any], position: int) -> int:
+    """The micro-batch of this job's epoch that follows what the saving job read in ``position`` micro-batches.
+
+    ``saved`` and ``mine`` are the step scheduler configurations (global and local batch
+    size, data-parallel size, accumulation, ``global_order``). Raises ``ValueError`` saying
+    why when the saved position cannot be carried over.
+    """
+    if saved.get("global_batch_size") != mine["global_batch_size"]:
+        raise ValueError(
+            f"the global batch size differs (saved {saved.get('global_batch_size')}, now {mine['global_batch_size']}): "
+            "the steps would train on other samples (set the step scheduler's global_batch_size to the saved one)"
+        )
+    order, saved_order = mine.get("global_order"), saved.get("global_order")
+    if order is None or saved_order is None:
+        raise ValueError(
+            "only an epoch read through a DistributedSampler (which DDPHook and FSDPHook inject) is one sample "
+            "order on any number of ranks; here "
+            + ("the saving job's loader" if saved_order is None else "this job's loader")
+            + " is not one (a torchdata StatefulDataLoader keeps a per-rank state that cannot be split either)"
+        )
+    if saved_order != order:
+        differ = ", ".join(
+            f"{key}: saved {saved_order.get(key)!r}, now {order[key]!r}"
+            for key in order
+            if saved_order.get(key) != order[key]
+        )
+        raise ValueError(f"the epoch's sample order differs ({differ})")
+    consumed = position * saved["local_batch_size"] * saved["dp_size"]
+    per_batch = mine["local_batch_size"] * mine["dp_size"]
+    if position % saved["grad_acc_steps"] or consumed % per_batch:
+        raise ValueError(
+            f"the position ({position} micro-batches of {saved['local_batch_size']} on {saved['dp_size']} ranks) "
+            "is not at an optimizer step's end"
+        )
+    return consumed // per_batch
