@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import attrs
@@ -82,6 +85,8 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     _pending_scaler_state: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
     _saved_precision: str | None = attrs.field(init=False, default=None, repr=False)
     _overflow_skips: torch.Tensor | None = attrs.field(init=False, default=None, repr=False)
+    #: fp16 resolved and the scaler not built yet (it is, at the next BEFORE_BATCH).
+    _scaler_due: bool = attrs.field(init=False, default=False, repr=False)
 
     # -- what the rest of the framework reads ---------------------------------------------
 
@@ -104,18 +109,32 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
-        """The fp16 GradScaler once created (at SETUP or first use); None for bf16 / fp32."""
+        """The fp16 GradScaler once created (at the first batch, when the models are wrapped or sharded);
+        None for bf16 / fp32."""
         return self._scaler
 
     def create_scaler(self, device_type: str) -> torch.amp.GradScaler:
         """Build the fp16 GradScaler for ``device_type``; override to substitute another scaler."""
-        return torch.amp.GradScaler(
-            device_type,
-            init_scale=float(self.init_scale),
-            growth_factor=float(self.growth_factor),
-            backoff_factor=float(self.backoff_factor),
-            growth_interval=self.growth_interval,
-        )
+        return torch.amp.GradScaler(device_type, **self._scaler_settings())
+
+    def create_sharded_scaler(self, device_type: str, process_group: Any) -> torch.amp.GradScaler:
+        """Build the fp16 scaler for models sharded with FSDP (DTensor parameters): torch's
+        ``ShardedGradScaler``, whose inf/NaN check is all-reduced over ``process_group``, so every rank
+        skips the same steps. Override to substitute another."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # Its inf check hands a plain one-element tensor to an op over DTensor gradients; DTensor warns that
+        # it treats it as replicated, which is what the scaler means (it all-reduces the result itself).
+        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1 and ndim!=0")
+        return ShardedGradScaler(device_type, process_group=process_group, **self._scaler_settings())
+
+    def _scaler_settings(self) -> dict[str, Any]:
+        return {
+            "init_scale": float(self.init_scale),
+            "growth_factor": float(self.growth_factor),
+            "backoff_factor": float(self.backoff_factor),
+            "growth_interval": self.growth_interval,
+        }
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """A fresh autocast context for this precision (validation uses it); a no-op for fp32.
@@ -178,7 +197,8 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         ]
         if not found:
             return
-        overflowed = torch.stack([f.to(found[0].device) for f in found]).amax()
+        # > 0: a sharded scaler's flag is the sum of the ranks' (2.0 when two found an inf)
+        overflowed = (torch.stack([f.to(found[0].device) for f in found]).amax() > 0).float()
         skips = self._overflow_skips
         if skips is None:
             skips = self._overflow_skips = torch.zeros((), device=overflowed.device)
@@ -281,13 +301,20 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             # restores on the instance, so sequential reuse is exact); its checks and warnings run once.
             self._training_autocast = torch.autocast(device_type=device.type, dtype=dtype)
         if dtype == torch.float16:
-            scaler = self.create_scaler(device.type)
-            if self._pending_scaler_state is not None:
-                scaler.load_state_dict(self._pending_scaler_state)
-                self._pending_scaler_state = None
-            self._scaler = scaler
+            self._scaler_due = True  # created at the first batch: FSDP shards the models after this SETUP
         self._dtype = dtype
         return dtype
+
+    def _create_scaler(self, ctx: nvtrain.TrainingContext) -> None:
+        """The scaler for these models: sharded ones (DTensor parameters) need the inf check to agree across ranks."""
+        self._scaler_due = False
+        group = _sharding_group(ctx.models.values())
+        device_type = ctx.device.type
+        scaler = self.create_scaler(device_type) if group is None else self.create_sharded_scaler(device_type, group)
+        if self._pending_scaler_state is not None:
+            scaler.load_state_dict(self._pending_scaler_state)
+            self._pending_scaler_state = None
+        self._scaler = scaler
 
     def _check_saved_precision(self, dtype: torch.dtype) -> None:
         saved, current = self._saved_precision, precision_name(dtype)
@@ -307,6 +334,8 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             self._scaler.update()  # type: ignore[union-attr]
         if self._dtype is None:
             self._resolve(ctx.device)
+        if self._scaler_due:
+            self._create_scaler(ctx)
         region = self._training_autocast
         if region is not None:
             region.__enter__()  # left in _close_autocast (DO_BACKWARD, the next batch, or close())
@@ -335,3 +364,20 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             watcher.handle = optimizer.register_step_post_hook(watcher.mark)
             self._watchers[optimizer] = watcher
         return watcher
+
+
+def _sharding_group(models: Iterable[torch.nn.Module]) -> Any:
+    """The process group over which the models' DTensor parameters are sharded (None: no such parameter).
+
+    FSDP over one mesh dimension: that dimension's group; a two-dimensional (HSDP) mesh spans the job.
+    """
+    tensor_module = sys.modules.get("torch.distributed.tensor")  # not loaded: nothing is sharded
+    dtensor = getattr(tensor_module, "DTensor", None)
+    if dtensor is None:
+        return None
+    for model in models:
+        for parameter in model.parameters():
+            if isinstance(parameter, dtensor):
+                mesh = parameter.device_mesh
+                return mesh.get_group() if mesh.ndim == 1 else torch.distributed.group.WORLD
+    return None

@@ -100,8 +100,9 @@ def _as_dtype(field: str, value: Any) -> torch.dtype | None:
     dtype = _DTYPES.get(value.lower()) if isinstance(value, str) else value
     if dtype == torch.float16:
         raise FieldValueError(
-            f"FSDPHook.{field} must be {_EXPECTED_DTYPE} (got {value!r}): float16 needs loss scaling that "
-            "agrees across the shards, which this plugin does not provide; bfloat16 needs none",
+            f"FSDPHook.{field} must be {_EXPECTED_DTYPE} (got {value!r}): float16 needs loss scaling, which "
+            "MixedPrecisionHook(precision='fp16') gives with param_dtype=None (its scaler agrees across the "
+            "shards); bfloat16 needs none",
             owner="FSDPHook", field=field, value=value, expected=_EXPECTED_DTYPE,
         )
     if not isinstance(dtype, torch.dtype) or dtype not in (torch.bfloat16, torch.float32):
@@ -307,7 +308,8 @@ class FSDPHook(ShardsTrainLoader):
         return DeviceMesh(device_type, layout, mesh_dim_names=("replicate", "shard"))
 
     def _refuse_autocast(self, ctx: nvtrain.TrainingContext) -> None:
-        """The amp plugin's autocast with FSDP's param_dtype casts twice; its fp16 scaling is not shard-aware."""
+        """The amp plugin's autocast with FSDP's param_dtype casts twice (its fp16 alone is fine: under FSDP it
+        scales with a ShardedGradScaler whose inf check all ranks share)."""
         strategy = ctx.strategy
         if strategy is None:
             return
@@ -318,19 +320,14 @@ class FSDPHook(ShardsTrainLoader):
                 continue
             dtype = getattr(hook, "dtype", None)
             name = type(hook).__name__
-            if dtype == torch.float16:
+            if dtype in (torch.bfloat16, torch.float16) and self.param_dtype is not None:
+                precision = "bf16" if dtype == torch.bfloat16 else "fp16"
                 raise ValueError(
-                    f"FSDPHook and {name}(precision=fp16) do not combine: fp16 loss scaling must agree on "
-                    "inf/NaN gradients across the shards, and GradScaler checks only this rank's shard, so the "
-                    "ranks could disagree about skipping a step. Train in bf16 (FSDPHook(param_dtype='bf16'), "
-                    f"without {name}), which needs no loss scaling"
-                )
-            if dtype == torch.bfloat16 and self.param_dtype is not None:
-                raise ValueError(
-                    f"FSDPHook.param_dtype={self.param_dtype} and {name}(precision=bf16) both cast the forward "
-                    "pass: FSDP all-gathers the parameters in param_dtype and autocast casts every op again. "
-                    f"Use one: FSDPHook(param_dtype='bf16') without {name} (recommended under FSDP: half the "
-                    f"all-gather traffic and gathered-parameter memory), or {name} with FSDPHook(param_dtype=None)"
+                    f"FSDPHook.param_dtype={self.param_dtype} and {name}(precision={precision}) both cast the "
+                    "forward pass: FSDP all-gathers the parameters in param_dtype and autocast casts every op "
+                    f"again. Use one: FSDPHook(param_dtype='bf16') without {name} (recommended under FSDP: half "
+                    f"the all-gather traffic and gathered-parameter memory, no loss scaling), or {name} with "
+                    "FSDPHook(param_dtype=None)"
                 )
 
     def _keys(self, ctx: nvtrain.TrainingContext) -> tuple[str, ...]:

@@ -352,6 +352,45 @@ def bf16(out: Path) -> None:
     finish(manager)
 
 
+def fp16(out: Path) -> None:
+    """The amp plugin's fp16 under FSDP: an inf in rank 1's batch only makes both ranks skip that step, through
+    a ShardedGradScaler whose inf check is all-reduced; the scale backs off alike and the shards stay in step."""
+    from nvtrain_amp import MixedPrecisionHook
+
+    manager = nvtrain.DistributedManager.initialize(device="cpu")
+    x, y = make_data(32)
+    spike_step = 2
+    rank1_batch = torch.arange(1, 32, 2)[spike_step * LOCAL_BATCH : (spike_step + 1) * LOCAL_BATCH]
+    x[rank1_batch[0], 0] = float("inf")
+    amp = MixedPrecisionHook(precision="fp16", init_scale=2.0**10)
+    steps = RecordSteps()
+    strategy = strategy_for(manager, [FSDPHook(), amp, steps])
+    with strategy:
+        strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
+        payload = {
+            "params": gathered(strategy.ctx.models["main"]),
+            "scaler": type(amp.scaler).__name__,
+            "scale": float(amp.scaler.get_scale()) if amp.scaler is not None else None,
+            "skipped": steps.skipped,
+            "overflow_skips": float(strategy.ctx.metrics["overflow_skips"]),
+            "finite": all(bool(torch.isfinite(p).all()) for p in gathered(strategy.ctx.models["main"])),
+        }
+    save(out, f"rank{manager.rank}.pt", payload)
+    finish(manager)
+
+
+class RecordSteps:
+    """Which micro-batches' optimizer steps were skipped (``ctx.step_skipped``)."""
+
+    def __init__(self) -> None:
+        self.skipped: list[int] = []
+
+    @nvtrain.hookimpl
+    def after_optimizer_step(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.step_skipped:
+            self.skipped.append(ctx.batch_count - 1)
+
+
 def hsdp(out: Path) -> None:
     """4 ranks as 2 replicas x 2 shards (HSDP) with clipping and EMA == 1 process on the global batches;
     the sharded checkpoint it writes holds each replicated shard once and exports the same weights."""
@@ -396,7 +435,7 @@ def hsdp(out: Path) -> None:
     finish(manager)
 
 
-SCENARIOS = {f.__name__: f for f in (equivalence, accumulation, clipping, spike_skip, ema, bf16, hsdp)}
+SCENARIOS = {f.__name__: f for f in (equivalence, accumulation, clipping, spike_skip, ema, bf16, fp16, hsdp)}
 
 
 def main(out_dir: Path, scenarios: list[str]) -> None:

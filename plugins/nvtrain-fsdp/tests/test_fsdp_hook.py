@@ -208,11 +208,36 @@ def test_amp_autocast_beside_fsdp_mixed_precision_is_refused_as_a_double_cast() 
         strategy.setup(make_loader())
 
 
-def test_amp_fp16_loss_scaling_is_refused_under_fsdp() -> None:
+@pytest.mark.usefixtures("world_of_one")
+def test_amp_fp16_under_fsdp_scales_with_a_sharded_scaler() -> None:
+    """fp16 loss scaling must agree across the shards: the amp plugin builds torch's ShardedGradScaler over the
+    mesh's group once the models are sharded (the 2-rank skip is in test_fsdp_multiprocess.py)."""
+    from nvtrain_amp import MixedPrecisionHook
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    amp = MixedPrecisionHook(precision="fp16")
+    fsdp = FSDPHook()
+    with make_strategy(fsdp, hooks=[amp]) as strategy:
+        strategy.run(make_loader())
+        assert isinstance(amp.scaler, ShardedGradScaler)
+        assert fsdp.mesh is not None and amp.scaler.process_group is fsdp.mesh.get_group()
+
+
+def test_amp_fp16_beside_an_inactive_fsdp_hook_keeps_the_plain_scaler() -> None:
+    """One process, no process group: nothing is sharded, so nothing needs agreeing."""
     from nvtrain_amp import MixedPrecisionHook
 
-    strategy = make_strategy(FSDPHook(), hooks=[MixedPrecisionHook(precision="fp16")])
-    with strategy, pytest.raises(ValueError, match=r"FSDPHook and MixedPrecisionHook\(precision=fp16\) do not combine"):
+    amp = MixedPrecisionHook(precision="fp16")
+    with make_strategy(FSDPHook(), hooks=[amp]) as strategy:
+        strategy.run(make_loader())
+    assert amp.scaler is not None and type(amp.scaler) is torch.amp.GradScaler
+
+
+def test_amp_fp16_beside_fsdp_mixed_precision_is_refused_as_a_double_cast() -> None:
+    from nvtrain_amp import MixedPrecisionHook
+
+    strategy = make_strategy(FSDPHook(param_dtype="bf16"), hooks=[MixedPrecisionHook(precision="fp16")])
+    with strategy, pytest.raises(ValueError, match=r"MixedPrecisionHook\(precision=fp16\) both cast the forward"):
         strategy.setup(make_loader())
 
 

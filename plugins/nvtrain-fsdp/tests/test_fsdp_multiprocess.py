@@ -50,7 +50,7 @@ def assert_close_to(params: list[torch.Tensor], reference: list[torch.Tensor], *
         torch.testing.assert_close(got, want, **({"rtol": RTOL, "atol": ATOL} | tolerance))
 
 
-SUITE = ("equivalence", "accumulation", "clipping", "spike_skip", "ema", "bf16")
+SUITE = ("equivalence", "accumulation", "clipping", "spike_skip", "ema", "bf16", "fp16")
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +134,17 @@ def test_ema_of_a_sharded_model_stays_sharded_and_gathers_for_validation(suite: 
         torch.testing.assert_close(result["validation_loss"], reference["validation_loss"], rtol=RTOL, atol=ATOL)
         assert result["model_untouched_by_validation"]
     assert_same_across_ranks(list(results[0]["weights"].values()), list(results[1]["weights"].values()))
+
+
+def test_fp16_loss_scaling_skips_the_same_steps_on_every_rank(suite: Path) -> None:
+    results = ranks(suite / "fp16")
+    for result in results:
+        assert result["scaler"] == "ShardedGradScaler"
+        assert result["skipped"] == [2]  # the inf was in rank 1's batch only; rank 0 skipped it too
+        assert result["overflow_skips"] == 1.0  # one step, not one per rank that saw the inf
+        assert result["scale"] == 2.0**9  # backed off once, alike
+        assert result["finite"]
+    assert_same_across_ranks(results[0]["params"], results[1]["params"])
 
 
 def test_hybrid_sharding_replicates_over_groups_of_shards(tmp_path: Path) -> None:
