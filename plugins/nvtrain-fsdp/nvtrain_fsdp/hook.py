@@ -366,7 +366,9 @@ class FSDPHook(ShardsTrainLoader):
                 f"FSDPHook: model {key!r} has parameters on {sorted(str(d) for d in devices)} but the strategy trains "
                 f"on {mesh_type}; move the model to the strategy's device (TrainingStrategy does so before SETUP)"
             )
-        if self.sync_module_states and not meta:  # a meta model has nothing to broadcast; each rank inits alike
+        if meta:
+            self._meta_initialisers(key, model)  # refused before sharding when it would leave a tensor unset
+        elif self.sync_module_states:  # a meta model has nothing to broadcast: every rank initialises alike
             _broadcast_from_first_rank(model, self._group)
         self._units[key] = shard_model(
             model,
@@ -383,17 +385,39 @@ class FSDPHook(ShardsTrainLoader):
             self._materialise(key, model, torch.device("cpu") if self.cpu_offload else self._ctx.device)
         self._sharded[key] = model
 
+    def _meta_initialisers(self, key: str, model: torch.nn.Module) -> list[Callable[[], Any]]:
+        """The ``meta_init`` methods of ``model``'s modules, checked to reach every tensor before anything is
+        allocated: a parameter or buffer whose module and ancestors all lack the method would train from
+        uninitialised memory (``torch.nn.MultiheadAttention`` has no ``reset_parameters``, for one)."""
+        name = self.meta_init
+        initialisers: list[Callable[[], Any]] = []
+        uncovered: list[str] = []
+
+        def walk(prefix: str, module: torch.nn.Module, covered: bool) -> None:
+            method = getattr(module, name, None)
+            if callable(method):
+                initialisers.append(method)
+                covered = True
+            if not covered:
+                own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+                uncovered.extend(f"{prefix}{tensor_name}" for tensor_name, _ in own)
+            for child_name, child in module.named_children():
+                walk(f"{prefix}{child_name}.", child, covered)
+
+        walk("", model, False)
+        if uncovered:
+            shown = ", ".join(uncovered[:6]) + (f" and {len(uncovered) - 6} more" if len(uncovered) > 6 else "")
+            raise FieldValueError(
+                f"FSDPHook.meta_init={name!r}: model {key!r} was built on the meta device, and {shown} would stay "
+                f"uninitialised memory once allocated: neither their modules nor any parent has a method {name!r}. "
+                "Name a method that initialises them (e.g. a root init_weights) or build the model on a real device",
+                owner="FSDPHook", field="meta_init", value=name, expected="a method that reaches every tensor",
+            )
+        return initialisers
+
     def _materialise(self, key: str, model: torch.nn.Module, device: torch.device) -> None:
         """Allocate a meta model's (sharded) tensors on ``device`` and initialise them with ``meta_init``."""
-        name = self.meta_init
-        initialisers = [method for module in model.modules() if callable(method := getattr(module, name, None))]
-        if not initialisers:
-            raise FieldValueError(
-                f"FSDPHook.meta_init={name!r}: model {key!r} was built on the meta device, but none of its modules "
-                f"has a method {name!r} to initialise its weights once they are allocated; name the method that "
-                "does (e.g. a root init_weights) or build the model on a real device",
-                owner="FSDPHook", field="meta_init", value=name, expected="a method some module of the model has",
-            )
+        initialisers = self._meta_initialisers(key, model)
         model.to_empty(device=device)
         with torch.no_grad(), self._init_rng():
             for initialise in initialisers:

@@ -120,8 +120,44 @@ def test_meta_init_names_the_method_that_initialises() -> None:
 
 @pytest.mark.usefixtures("world_of_one")
 def test_a_meta_init_no_module_has_is_refused_before_anything_is_allocated() -> None:
-    message = r"FSDPHook.meta_init='init_weights': model 'main' was built on the meta device, but none of its modules"
-    with pytest.raises(ValueError, match=message), strategy(build_on_meta(), FSDPHook(meta_init="init_weights")) as run:
+    message = r"FSDPHook.meta_init='init_weights': model 'main' was built on the meta device, and 0.weight, 0.bias"
+    model = build_on_meta()
+    with pytest.raises(ValueError, match=message), strategy(model, FSDPHook(meta_init="init_weights")) as run:
+        run.setup()
+    assert all(p.is_meta and not isinstance(p, DTensor) for p in model.parameters())  # refused before sharding
+
+
+class RawParameter(torch.nn.Module):
+    """A parameter of its own and no reset_parameters (as torch.nn.MultiheadAttention's in_proj_weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(3))
+        self.body = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale  # type: ignore[no-any-return]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_tensor_no_meta_init_reaches_is_refused_naming_it() -> None:
+    with torch.device("meta"):
+        model = torch.nn.Sequential(RawParameter(), torch.nn.Linear(3, 2))
+    with (
+        pytest.raises(ValueError, match=r"and 0.scale would stay uninitialised memory"),
+        strategy(model, FSDPHook()) as run,
+    ):
+        run.setup()
+
+
+def test_a_multihead_attention_on_meta_needs_a_method_that_reaches_its_projections() -> None:
+    """The check holds in one process too, where nothing is sharded."""
+    with torch.device("meta"):
+        model = torch.nn.MultiheadAttention(8, 2)
+    with (
+        pytest.raises(ValueError, match=r"in_proj_weight, in_proj_bias would stay uninitialised"),
+        strategy(model, FSDPHook()) as run,
+    ):
         run.setup()
 
 

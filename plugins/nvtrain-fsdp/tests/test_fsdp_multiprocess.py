@@ -9,6 +9,7 @@ scenarios in turn, since starting processes dominates the time.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -199,11 +200,14 @@ def test_bf16_mixed_precision_keeps_fp32_shards_and_outputs(suite: Path) -> None
 
 
 #: The built-in digits job, small, with FSDP (and EMA: its average of the sharded model validates; and
-#: checkpoints: sharded, with the EMA's shards in them).
+#: checkpoints: sharded, with the EMA's shards in them), its model built on the meta device.
 JOB = """\
 name: digits-fsdp
 device: cpu
-model: {factory: "nvtrain.builtin.digits:make_classifier", kwargs: {hidden: 32, depth: 2, dropout: 0.0}}
+model:
+  factory: "nvtrain.builtin.digits:make_classifier"
+  kwargs: {hidden: 32, depth: 2, dropout: 0.0}
+  init_device: meta
 data: {factory: "nvtrain.builtin.digits:make_loaders", kwargs: {batch_size: 32}}
 trainer: {max_steps: 8}
 logging: {progress_bar: false, tensorboard: false, plot: false, log_every_n_steps: 4}
@@ -230,6 +234,9 @@ def test_nvtrain_train_under_torchrun_shards_with_hooks_fsdp(tmp_path: Path) -> 
     header = rows[0].split(",")
     steps = [int(row.split(",")[0]) for row in rows[1:] if row.split(",")[header.index("train_loss")]]
     assert steps == [4, 8]  # rank 0 alone writes the metrics
+    column = header.index("train_loss")
+    losses = [float(row.split(",")[column]) for row in rows[1:] if row.split(",")[column]]
+    assert all(math.isfinite(loss) for loss in losses)  # the shards FSDP allocated were initialised
     assert "val_ema_loss" in header
     checkpoint = run / "checkpoints" / "step_8"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_8"
