@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,8 +22,7 @@ def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     try:
         yield
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _destroy_process_group()
 
 
 @pytest.fixture
@@ -43,5 +43,12 @@ def init_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]
     try:
         yield calls
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    """Destroy the default group once what the test built on it is gone: DDP wrappers (reference cycles)
+    collected while the group lives, never later as the last owner of a destroyed gloo group."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()

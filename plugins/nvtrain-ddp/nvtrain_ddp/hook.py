@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -260,6 +261,10 @@ class DDPHook(ShardsTrainLoader):
         if self._owns_group:
             self._owns_group = False
             if dist.is_initialized():
+                # A DDP wrapper sits in reference cycles (its autograd hooks), so dropping it frees nothing until
+                # the next collection; its Reducer would then be the last owner of a destroyed gloo group, whose
+                # destructor can wait forever on its worker threads. Collect it while the group is alive.
+                gc.collect()
                 dist.destroy_process_group()
 
 
