@@ -14,6 +14,13 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 
 
 @pytest.fixture
+def no_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No torchrun variables: the process is a single one, whatever the shell it runs in set."""
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
 def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A real gloo process group of one process (an in-memory store: no ports, no torchrun variables)."""
     for name in TORCHRUN_VARS:

@@ -715,7 +715,7 @@ class StepScheduler:
         """``state`` with its position carried over to this job's ranks and local batch size (see
         :mod:`nvtrain.data_resharding`), or a ValueError saying why it cannot be."""
         details = ", ".join(f"{key}: saved {was!r}, now {now!r}" for key, (was, now) in differ.items())
-        try:  # _CONFIG_KEYS: what may change is the ranks, local batch size and accumulation, not the global batch
+        try:
             position = resharded_position(saved, mine, int(state["position"]))
         except ValueError as err:
             raise ValueError(

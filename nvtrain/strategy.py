@@ -507,7 +507,7 @@ class TrainingStrategy:
                 ctx.train_loader = train_loader
             return
         on_meta = [name for name, model in ctx.models.items() if on_meta_device(model)]
-        self._check_meta_models(on_meta, "before SETUP")
+        self._refuse_unmaterialised(on_meta)
         for name, model in ctx.models.items():
             if name not in on_meta:  # a plugin materialises those (FSDP shards them first): nothing to move
                 ctx.models[name] = model.to(self.device)
@@ -515,7 +515,7 @@ class TrainingStrategy:
         ctx.stage = _SETUP
         self.registry.bus.setup(ctx)
         self._setup_loader = train_loader
-        self._check_meta_models([name for name in on_meta if on_meta_device(ctx.models[name])], "after SETUP")
+        self._refuse_still_on_meta([name for name in on_meta if on_meta_device(ctx.models[name])])
         for name, factory in self.optimizers.items():
             params = [p for p in ctx.models[name].parameters() if p.requires_grad]
             if not params:
@@ -533,23 +533,26 @@ class TrainingStrategy:
         self.registry.bind(ctx.optimizers, self._per_step_schedulers())
         self._is_set_up = True
 
-    def _check_meta_models(self, names: Sequence[str], when: str) -> None:
-        """Models built on the meta device hold no weights: a plugin that materialises them must be registered."""
-        if not names:
-            return
-        listed = ", ".join(repr(name) for name in names)
-        materialisers = [hook_label(p) for p in self.bus.plugins() if getattr(p, "materializes_meta_models", False)]
-        if when == "before SETUP" and not materialisers:
+    def _materialisers(self) -> list[str]:
+        return [hook_label(p) for p in self.bus.plugins() if getattr(p, "materializes_meta_models", False)]
+
+    def _refuse_unmaterialised(self, on_meta: Sequence[str]) -> None:
+        """Before SETUP: models built on the meta device hold no weights, so a hook must materialise them."""
+        if on_meta and not self._materialisers():
             raise ValueError(
-                f"TrainingStrategy: model {listed} has parameters on the meta device (built under "
-                "torch.device('meta')), and no registered hook materialises meta models; register FSDPHook, "
+                f"TrainingStrategy: model {', '.join(map(repr, on_meta))} has parameters on the meta device (built "
+                "under torch.device('meta')), and no registered hook materialises meta models; register FSDPHook, "
                 "which shards such a model and then allocates and initialises each rank's shards, or build the "
                 "model on a real device"
             )
-        if when == "after SETUP":
+
+    def _refuse_still_on_meta(self, on_meta: Sequence[str]) -> None:
+        """After SETUP: a meta model the materialising hook left alone (not among its model keys)."""
+        if on_meta:
             raise ValueError(
-                f"TrainingStrategy: model {listed} still has parameters on the meta device after SETUP; "
-                f"{', '.join(materialisers)} did not materialise it (is it among the hook's model_keys?)"
+                f"TrainingStrategy: model {', '.join(map(repr, on_meta))} still has parameters on the meta device "
+                f"after SETUP; {', '.join(self._materialisers())} did not materialise it (is it among the hook's "
+                "model_keys?)"
             )
 
     # -- validation -----------------------------------------------------------------------------

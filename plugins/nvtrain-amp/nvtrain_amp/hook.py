@@ -197,8 +197,8 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         ]
         if not found:
             return
-        # > 0: a sharded scaler's flag is the sum of the ranks' (2.0 when two found an inf)
-        overflowed = (torch.stack([f.to(found[0].device) for f in found]).amax() > 0).float()
+        # any(), not the flags' value: a sharded scaler's flag is the sum of the ranks' (2.0 when two found an inf)
+        overflowed = torch.stack([f.to(found[0].device) for f in found]).any()
         skips = self._overflow_skips
         if skips is None:
             skips = self._overflow_skips = torch.zeros((), device=overflowed.device)

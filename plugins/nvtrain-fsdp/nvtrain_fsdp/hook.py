@@ -248,7 +248,7 @@ class FSDPHook(ShardsTrainLoader):
         if group is None:
             ignored = [
                 name for name in ("param_dtype", "reduce_dtype", "output_dtype") if getattr(self, name) is not None
-            ] + (["cpu_offload"] if self.cpu_offload else []) + (["replicate_degree"] if self._hybrid else [])
+            ] + (["cpu_offload"] if self.cpu_offload else []) + (["replicate_degree"] if (self.replicate_degree or 1) > 1 else [])
             logger.info("FSDPHook: single process (no process group, WORLD_SIZE <= 1); models are not sharded")
             if ignored:
                 logger.warning(
@@ -280,14 +280,10 @@ class FSDPHook(ShardsTrainLoader):
             self._shard(key, model)
         self._prepare_loader(ctx)
 
-    @property
-    def _hybrid(self) -> bool:
-        return self.replicate_degree is not None and self.replicate_degree > 1
-
     def _device_mesh(self, group: Any, device_type: str) -> DeviceMesh:
         """One dimension over ``group``; with ``replicate_degree``, ``(replicate, shard)`` over its ranks."""
-        degree = self.replicate_degree
-        if degree is None or not self._hybrid:
+        degree = self.replicate_degree or 1
+        if degree == 1:
             return DeviceMesh.from_group(group, device_type=device_type, mesh_dim_names=("dp",))
         ranks = dist.get_process_group_ranks(group)
         if len(ranks) % degree:
@@ -491,7 +487,6 @@ class FSDPHook(ShardsTrainLoader):
                 dist.destroy_process_group()
 
 
-@torch.no_grad()
 def _first_rank(group: Any) -> int:
     return dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
 
@@ -505,6 +500,7 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
+@torch.no_grad()
 def _broadcast_from_first_rank(model: torch.nn.Module, group: Any) -> None:
     """Every rank takes the parameters and buffers of the group's first rank (once, at SETUP)."""
     source = _first_rank(group)

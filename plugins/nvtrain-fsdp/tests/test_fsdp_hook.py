@@ -26,13 +26,8 @@ from nvtrain.app import prepare
 from nvtrain.config import ConfigError, load_config
 from nvtrain.validators import FieldProblem
 
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(autouse=True)
-def no_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in TORCHRUN_VARS:
-        monkeypatch.delenv(name, raising=False)
+#: A single process, whatever torchrun variables the shell has (the root conftest's fixture clears them).
+pytestmark = pytest.mark.usefixtures("no_torchrun_env")
 
 
 class Block(torch.nn.Module):
