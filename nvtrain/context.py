@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+from torch.utils._pytree import tree_map_only
 
 from nvtrain.stages import TrainingStage
 from nvtrain.stash import Stash
@@ -86,6 +87,22 @@ class TrainingContext:
                 f"ctx.request_stop({reason!r}): no run is in progress; call it from a hook during TrainingStrategy.run()"
             )
         scheduler.request_stop(reason)
+
+    def release_step_graph(self) -> None:
+        """Detach ``outputs``, ``loss`` and ``backward_loss`` from the last micro-batch's autograd graph.
+
+        The values stay; the graph goes. Left attached, the context would keep the graph for
+        as long as the strategy lives: with every saved activation when the step failed
+        before its backward, and, under FSDP, with the model itself, since the graph's
+        autograd functions refer back to it in a way the garbage collector cannot follow
+        (the strategy, its models and their process group were then never freed). Tensors
+        inside tuples, lists, dicts and other registered pytree nodes are detached.
+        """
+        self.outputs = tree_map_only(torch.Tensor, torch.Tensor.detach, self.outputs)
+        if self.loss is not None:
+            self.loss = self.loss.detach()
+        if self.backward_loss is not None:
+            self.backward_loss = self.backward_loss.detach()
 
     def __repr__(self) -> str:
         stage = self.stage.name if self.stage is not None else None

@@ -26,6 +26,16 @@ import attrs
 import torch
 import torch.distributed as dist
 
+if dist.is_available():
+    # torch.distributed.nn.functional binds the default process group into its functions'
+    # default arguments when it is first imported, which torch does lazily (the first
+    # optimizer imports it through torch._dynamo). Imported while a group exists, it keeps
+    # that group alive after destroy_process_group(), and the group's gloo threads are then
+    # torn down at interpreter exit, which aborts a finished rank now and then ("terminate
+    # called without an active exception", SIGABRT). Imported here, before nvtrain or the
+    # user creates a group, it binds None.
+    import torch.distributed.nn
+
 __all__ = ["DeviceAssignmentError", "DistributedManager", "TorchrunEnv", "default_backend", "unwrap_model"]
 
 

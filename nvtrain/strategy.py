@@ -284,6 +284,7 @@ class TrainingStrategy:
                 bus.after_training(ctx)
         finally:
             ctx.windowed = False
+            ctx.release_step_graph()
             if manual_gc:
                 gc.enable()
         return RunResult(
@@ -428,11 +429,18 @@ class TrainingStrategy:
         ctx.epoch = scheduler.epoch
 
     def train_batch(self, batch: Any) -> torch.Tensor | None:
-        """Run one micro-batch through every batch stage outside ``run()``; returns its loss tensor."""
+        """Run one micro-batch through every batch stage outside ``run()``; returns its loss (detached).
+
+        Like ``run()``, it leaves ``ctx.outputs`` and ``ctx.loss`` detached from the micro-batch's
+        autograd graph (:meth:`TrainingContext.release_step_graph`).
+        """
         self.setup()
         ctx = self.ctx
         ctx.window_size, ctx.window_position, ctx.sync_gradients = 1, 0, True
-        self._train_micro_batch(batch)
+        try:
+            self._train_micro_batch(batch)
+        finally:
+            ctx.release_step_graph()
         return ctx.loss
 
     def _train_micro_batch(self, batch: Any, boundary: StepScheduler | None = None) -> None:
@@ -749,12 +757,14 @@ class TrainingStrategy:
 
     def close(self) -> None:
         """Close every hook that holds resources (reverse registration order); re-raise the first failure."""
+        self.ctx.release_step_graph()
         self.registry.close()
 
     def __enter__(self) -> TrainingStrategy:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.ctx.release_step_graph()
         self.registry.close(exc)
 
 

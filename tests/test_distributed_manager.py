@@ -272,3 +272,57 @@ def test_unwrap_model_removes_distributed_data_parallel() -> None:
     wrapped = DistributedDataParallel(model)
     assert unwrap_model(wrapped) is model
     assert list(unwrap_model(wrapped).state_dict()) == ["weight", "bias"]
+
+
+# -- the group is released when it is destroyed --------------------------------------------------
+
+_RELEASE_JOB = textwrap.dedent(
+    """
+    import datetime, gc, json, os, sys
+    import torch, torch.distributed as dist
+    import nvtrain
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    group = dist.group.WORLD
+    baseline = sys.getrefcount(group)
+    # the first optimizer imports torch._dynamo, which imports torch.distributed.nn
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(3, 2), optimizers=lambda params: torch.optim.SGD(params, lr=0.1),
+        loss_fn=torch.nn.functional.mse_loss, device="cpu",
+    )
+    strategy.setup()
+    kept = sys.getrefcount(group) - baseline
+    del strategy, group
+    dist.destroy_process_group()
+    gc.collect()
+    threads = sorted(
+        open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")
+    ) if os.path.isdir("/proc/self/task") else None
+    with open(sys.argv[1], "w") as handle:
+        json.dump({"kept": kept, "threads": threads}, handle)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_destroyed_group_is_not_kept_alive_by_torch_distributed_nn(tmp_path: Path) -> None:
+    # Imported while a group exists, torch.distributed.nn binds it into default arguments for
+    # good: its gloo threads then outlive destroy_process_group() and are torn down at
+    # interpreter exit, which aborted finished ranks now and then. nvtrain imports it first.
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS} | {"CUDA_VISIBLE_DEVICES": ""}
+    out = tmp_path / "release.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", _RELEASE_JOB, str(out), str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["kept"] == 0, "setting up a strategy added references to the process group"
+    if result["threads"] is not None:  # Linux: the group's gloo threads have ended
+        assert not [name for name in result["threads"] if "gloo" in name], result["threads"]

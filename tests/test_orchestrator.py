@@ -152,12 +152,19 @@ class Plus1(TrainingUpdateHook):
 
 
 class KeepLoss:
+    """Keeps ``ctx.loss`` as AFTER_LOSS and AFTER_BATCH see it (the step's graph is released after the step)."""
+
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
+        self.final: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     @nvtrain.hookimpl
     def after_loss(self, ctx: Any) -> None:
         self.losses.append(ctx.loss)
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: Any) -> None:
+        self.final.append((ctx.loss, ctx.backward_loss))
 
 
 def test_do_backward_chains_transforms_and_calls_backward_once(make_strategy: Any, batches: Any) -> None:
@@ -172,7 +179,7 @@ def test_do_backward_chains_transforms_and_calls_backward_once(make_strategy: An
     strategy.train_batch((x, y))
     ctx = strategy.ctx
     (original,) = keep.losses
-    assert ctx.loss is original
+    assert keep.final[0][0] is original  # the transforms applied to what was back-propagated only
     torch.testing.assert_close(plus1.seen[0], 2 * ref_loss.detach(), rtol=1e-6, atol=0.0)
     torch.testing.assert_close(ctx.backward_loss.detach(), 2 * ref_loss.detach() + 1, rtol=1e-6, atol=0.0)
     assert plus1.backward_calls == 1
@@ -182,12 +189,14 @@ def test_do_backward_chains_transforms_and_calls_backward_once(make_strategy: An
 
 
 def test_do_backward_without_hooks_backpropagates_the_loss(make_strategy: Any, batches: Any) -> None:
-    strategy = make_strategy(optimizers=functools.partial(torch.optim.SGD, lr=0.0))
+    keep = KeepLoss()
+    strategy = make_strategy([keep], optimizers=functools.partial(torch.optim.SGD, lr=0.0))
     x, y = batches(1)[0]
     reference = copy.deepcopy(strategy.models["main"])
     torch.nn.functional.mse_loss(reference(x), y).backward()
     strategy.train_batch((x, y))
-    assert strategy.ctx.backward_loss is strategy.ctx.loss
+    ((loss, backward_loss),) = keep.final
+    assert backward_loss is loss
     assert torch.equal(strategy.ctx.models["main"].weight.grad, reference.weight.grad)
 
 
@@ -421,7 +430,8 @@ def test_do_backward_must_return_a_tensor(make_strategy: Any, batches: Any) -> N
     strategy = make_strategy([Returns(S.DO_BACKWARD, loss=2.0), keep])
     with pytest.raises(TypeError, match=r"update hook Returns at stage DO_BACKWARD must return a torch.Tensor.*float"):
         strategy.train_batch(batches(1)[0])
-    assert strategy.ctx.loss is keep.losses[0]  # restored even though the chain failed
+    # restored even though the chain failed (then detached from the failed step's graph: same storage)
+    assert strategy.ctx.loss.data_ptr() == keep.losses[0].data_ptr()
 
 
 def test_step_optimizer_must_return_a_bool(make_strategy: Any, batches: Any) -> None:

@@ -407,6 +407,72 @@ def test_train_batch_works_standalone(make_strategy: Any, recorder: Any, batches
     assert strategy.ctx.windowed is False
 
 
+class _GraphProbe:
+    """Records, at AFTER_BATCH, whether the step's outputs and losses are still attached to its graph."""
+
+    def __init__(self, fail_at_after_loss: bool = False) -> None:
+        self.fail_at_after_loss = fail_at_after_loss
+        self.attached: list[tuple[bool, bool, bool]] = []
+        self.values: list[torch.Tensor] = []
+
+    @nvtrain.hookimpl
+    def after_loss(self, ctx: Any) -> None:
+        if self.fail_at_after_loss:
+            raise RuntimeError("a hook failed mid-step")
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: Any) -> None:
+        outputs = ctx.outputs["y"][0]
+        self.attached.append((outputs.grad_fn is not None, ctx.loss.grad_fn is not None, ctx.backward_loss is not None))
+        self.values.append(outputs.clone())
+
+
+def _nested_forward(ctx: Any) -> dict[str, Any]:
+    y = ctx.models["main"](ctx.batch[0])
+    return {"y": (y, 2 * y), "label": "kept"}
+
+
+def _nested_loss(outputs: dict[str, Any], targets: torch.Tensor) -> torch.Tensor:
+    return mse(outputs["y"][0], targets)
+
+
+def _assert_detached(ctx: Any) -> None:
+    tensors = [*ctx.outputs["y"], ctx.loss] + ([ctx.backward_loss] if ctx.backward_loss is not None else [])
+    assert all(t.grad_fn is None and not t.requires_grad for t in tensors)
+    assert ctx.outputs["label"] == "kept"  # the structure and non-tensor leaves stay
+
+
+def test_a_finished_run_leaves_no_autograd_graph_on_the_context(make_strategy: Any, batches: Any) -> None:
+    # The graph of the last step has no use after it, and the context would otherwise hold it as long as the
+    # strategy lives (under FSDP, with the model, out of the garbage collector's reach)
+    probe = _GraphProbe()
+    strategy = make_strategy([probe], forward_fn=_nested_forward, loss_fn=_nested_loss, num_epochs=1)
+    strategy.run(batches(3))
+    assert probe.attached[-1][:2] == (True, True), "hooks must still see the graph during the step"
+    _assert_detached(strategy.ctx)
+    assert torch.equal(strategy.ctx.outputs["y"][0], probe.values[-1])
+
+
+def test_train_batch_returns_a_detached_loss_and_leaves_no_graph(make_strategy: Any, batches: Any) -> None:
+    probe = _GraphProbe()
+    strategy = make_strategy([probe], forward_fn=_nested_forward, loss_fn=_nested_loss)
+    loss = strategy.train_batch(batches(1)[0])
+    assert probe.attached == [(True, True, True)]
+    assert loss is strategy.ctx.loss and loss.grad_fn is None
+    _assert_detached(strategy.ctx)
+
+
+def test_a_step_that_fails_before_its_backward_leaves_no_graph(make_strategy: Any, batches: Any) -> None:
+    # a failed step never ran backward: its graph still holds every saved activation
+    strategy = make_strategy([_GraphProbe(fail_at_after_loss=True)], forward_fn=_nested_forward, loss_fn=_nested_loss)
+    with pytest.raises(RuntimeError, match="a hook failed mid-step"):
+        strategy.run(batches(2))
+    _assert_detached(strategy.ctx)
+    with pytest.raises(RuntimeError, match="a hook failed mid-step"):
+        strategy.train_batch(batches(1)[0])
+    _assert_detached(strategy.ctx)
+
+
 def test_forward_fn_handles_dict_batches(make_strategy: Any) -> None:
     batch = {"x": torch.randn(4, 3), "y": torch.randn(4, 2)}
     strategy = make_strategy(

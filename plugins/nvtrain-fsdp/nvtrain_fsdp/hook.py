@@ -481,10 +481,38 @@ class FSDPHook(ShardsTrainLoader):
             self._set_gradient_sync(True)
         self._active = False
         self._group = None
+        release_mesh_caches()
         if self._owns_group:
             self._owns_group = False
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def release_mesh_caches() -> None:
+    """Empty DTensor's caches of sharding and redistribution plans, which keep every mesh they saw alive.
+
+    A cached plan holds its DTensor specs or its mesh, and a mesh holds its process groups: without
+    this, a group outlives ``destroy_process_group()`` and the sharded model, and its gloo threads
+    are torn down at interpreter exit, which aborts a finished rank now and then. The caches refill
+    on the next DTensor operation, at the cost of planning each operator once more.
+    """
+    try:
+        from torch.distributed.tensor import _collective_utils, _redistribute, debug
+    except ImportError:  # pragma: no cover - torch.distributed without DTensor
+        return
+    # torch has no public way to empty them; each is skipped where a torch release renames it
+    lru_caches = (
+        getattr(_redistribute, "_gen_transform_infos", None),
+        getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None),
+    )
+    clears = (
+        getattr(debug, "_clear_sharding_prop_cache", None),
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        *(getattr(cache, "cache_clear", None) for cache in lru_caches),
+    )
+    for clear in clears:
+        if clear is not None:
+            clear()
 
 
 def _first_rank(group: Any) -> int:

@@ -5,10 +5,12 @@ gradient-sync switch. Real two-rank jobs are in test_fsdp_multiprocess.py."""
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.metadata
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +308,29 @@ def test_models_are_sharded_before_the_optimizers_are_built() -> None:
     assert sorted(gathered) == sorted(make_model().state_dict())
     assert all(type(t) is torch.Tensor for t in gathered.values())
     assert dist.is_initialized(), "the hook must not destroy a process group it did not create"
+
+
+def test_a_closed_run_leaves_nothing_holding_its_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two things kept the group of a finished FSDP run alive after destroy_process_group(), so that its gloo
+    # threads were torn down at interpreter exit, which aborted finished ranks now and then: the context held
+    # the last step's autograd graph, whose FSDP functions keep the model (and the strategy) out of the garbage
+    # collector's reach; and DTensor's plan caches keep every mesh they saw. Neither may survive the run.
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    try:
+        with make_strategy(FSDPHook(), num_epochs=1) as strategy:
+            strategy.run(make_loader())
+        model = weakref.ref(strategy.ctx.models["main"])
+        del strategy
+        gc.collect()
+        assert model() is None, "the sharded model outlived its strategy"
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    # CPython counts getrefcount's own argument: 2 means only this test's variable still holds the group
+    assert sys.getrefcount(group) == 2
 
 
 @pytest.mark.usefixtures("world_of_one")
