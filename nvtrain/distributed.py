@@ -188,7 +188,10 @@ class _State:
     local_world_size: int = 1
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     backend: str | None = None
-    process_group: Any = None
+    #: The job trains over torch.distributed's default group. Not the group object itself: this
+    #: class-level state outlives the run, and a group still referenced after
+    #: destroy_process_group() lives on to interpreter exit (see the module's import above).
+    uses_default_group: bool = False
     owns_process_group: bool = False
     initialized: bool = False
     find_unused_parameters: bool = False
@@ -270,7 +273,7 @@ class DistributedManager:
                 local_world_size=local_world_size,
                 device=device,
                 backend=str(dist.get_backend()),
-                process_group=dist.group.WORLD,
+                uses_default_group=True,
                 owns_process_group=False,
                 initialized=True,
                 find_unused_parameters=find_unused_parameters,
@@ -304,7 +307,7 @@ class DistributedManager:
             dist.init_process_group(
                 backend=chosen, init_method="env://", rank=env.rank, world_size=env.world_size, **kwargs
             )
-            state = attrs.evolve(state, backend=chosen, process_group=dist.group.WORLD, owns_process_group=True)
+            state = attrs.evolve(state, backend=chosen, uses_default_group=True, owns_process_group=True)
         cls._state = state
         return cls()
 
@@ -362,13 +365,18 @@ class DistributedManager:
 
     @property
     def process_group(self) -> Any:
-        """The process group for data parallelism (the default group), or None when not distributed."""
-        return self._current().process_group
+        """The process group for data parallelism (the default group), or None when not distributed.
+
+        None also once the default group has been destroyed.
+        """
+        if self._current().uses_default_group and dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None
 
     @property
     def is_distributed(self) -> bool:
         """Whether a torch.distributed process group is in use."""
-        return self._current().process_group is not None
+        return self.process_group is not None
 
     @property
     def find_unused_parameters(self) -> bool:
@@ -397,12 +405,13 @@ class DistributedManager:
 
     def barrier(self) -> None:
         """Wait for every process of the job; a no-op in a single process."""
-        if self.is_distributed:
+        group = self.process_group
+        if group is not None:
             state = self._current()
             if state.backend == "nccl":
-                dist.barrier(group=state.process_group, device_ids=[state.device.index or 0])
+                dist.barrier(group=group, device_ids=[state.device.index or 0])
             else:
-                dist.barrier(group=state.process_group)
+                dist.barrier(group=group)
 
     def __repr__(self) -> str:
         state = self._current()

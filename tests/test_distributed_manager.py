@@ -135,6 +135,20 @@ def test_an_existing_process_group_is_adopted_and_left_alone() -> None:
     assert dist.is_initialized(), "cleanup() destroyed a process group it did not create"
 
 
+def test_the_manager_does_not_keep_a_group_that_the_caller_destroys() -> None:
+    # The manager's state is class-level and outlives the run: holding the group object there would keep it
+    # past destroy_process_group() to interpreter exit, where tearing gloo down aborts a finished rank.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    manager = DistributedManager.initialize()
+    assert manager.process_group is group
+    dist.destroy_process_group()  # by the caller, without DistributedManager.cleanup()
+    assert manager.process_group is None and not manager.is_distributed
+    manager.barrier()  # nothing left to wait for
+    # CPython counts getrefcount's own argument: 2 means only this test's variable still holds the group
+    assert sys.getrefcount(group) == 2
+
+
 # -- the strategy ---------------------------------------------------------------------------------------
 
 

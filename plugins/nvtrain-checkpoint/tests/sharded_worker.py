@@ -260,9 +260,3 @@ def main(out_dir: Path, scenarios: list[str]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
-    # Every result is written and the process group destroyed. Leave without interpreter finalization: under
-    # load a rank occasionally aborted there (std::terminate, "terminate called without an active exception")
-    # after finishing all its work, which failed the launch although nothing had gone wrong.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
