@@ -17,6 +17,7 @@ a plain model.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 from collections.abc import Mapping
@@ -322,6 +323,11 @@ class DistributedManager:
         state = cls._state
         cls._state = None
         if state is not None and state.owns_process_group and dist.is_initialized():
+            # What the run leaves in reference cycles (a strategy and its context, a DDP wrapper's
+            # autograd hooks, an FSDP module and its state) may hold the group; freed later, at
+            # interpreter exit at worst, it would destroy gloo's group there, which aborts the
+            # process now and then. Collect it while the group is alive.
+            gc.collect()
             dist.destroy_process_group()
 
     # -- the view ----------------------------------------------------------------------

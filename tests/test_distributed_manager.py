@@ -4,13 +4,16 @@ gloo job, the strategy's use of it, and unwrap_model."""
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -147,6 +150,31 @@ def test_the_manager_does_not_keep_a_group_that_the_caller_destroys() -> None:
     manager.barrier()  # nothing left to wait for
     # CPython counts getrefcount's own argument: 2 means only this test's variable still holds the group
     assert sys.getrefcount(group) == 2
+
+
+class _Cycle:
+    """Garbage in a reference cycle that holds the default group, as a finished run leaves it."""
+
+    def __init__(self, seen: list[bool]) -> None:
+        self.group = dist.group.WORLD
+        self.itself = self
+        weakref.finalize(self, lambda: seen.append(dist.is_initialized()))
+
+
+def test_cleanup_collects_what_holds_its_group_before_destroying_it(init_calls: list[dict[str, Any]]) -> None:
+    # Collected only later (at interpreter exit at worst), such a cycle would destroy gloo's group
+    # there, which aborts the process now and then
+    DistributedManager.initialize(device="cpu")
+    assert init_calls, "initialize() did not create the group this test needs it to own"
+    gc.disable()  # no collection but the one under test
+    try:
+        collected_while_alive: list[bool] = []
+        _Cycle(collected_while_alive)
+        DistributedManager.cleanup()
+    finally:
+        gc.enable()
+    assert collected_while_alive == [True]
+    assert not dist.is_initialized()
 
 
 # -- the strategy ---------------------------------------------------------------------------------------

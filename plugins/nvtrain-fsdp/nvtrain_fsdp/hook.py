@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -485,6 +486,7 @@ class FSDPHook(ShardsTrainLoader):
         if self._owns_group:
             self._owns_group = False
             if dist.is_initialized():
+                gc.collect()  # sharded modules and their FSDP state form cycles that hold the group (see DDPHook.close)
                 dist.destroy_process_group()
 
 
