@@ -258,13 +258,14 @@ class DDPHook(ShardsTrainLoader):
         self._ddp_modules = ()
         self._active = False
         self._group = None
+        # A DDP wrapper sits in reference cycles (its autograd hooks), so dropping it frees nothing until the
+        # next collection; its Reducer would then be the last owner of a gloo group destroyed by then (here, or
+        # by the caller after the run), whose destructor can wait forever on its worker threads, or abort at
+        # interpreter exit. Collect it while the group is alive.
+        gc.collect()
         if self._owns_group:
             self._owns_group = False
             if dist.is_initialized():
-                # A DDP wrapper sits in reference cycles (its autograd hooks), so dropping it frees nothing until
-                # the next collection; its Reducer would then be the last owner of a destroyed gloo group, whose
-                # destructor can wait forever on its worker threads. Collect it while the group is alive.
-                gc.collect()
                 dist.destroy_process_group()
 
 

@@ -4,8 +4,10 @@ gloo world of one) wrapping, unwrapping, sampler injection, set_epoch and no_syn
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.metadata
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,6 +150,23 @@ def test_wraps_before_optimizers_and_unwraps_on_close() -> None:
         assert [id(p) for p in optimizer_params] == [id(p) for p in model.parameters()]
     assert strategy.ctx.models["main"] is model
     assert dist.is_initialized(), "the hook must not destroy a process group it did not create"
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_close_frees_the_wrapper_while_the_callers_group_is_alive() -> None:
+    # The wrapper sits in reference cycles; left to a later collection, its Reducer would outlive a group the
+    # caller destroys after the run (a hang in the group's destructor, or an abort at interpreter exit)
+    strategy = make_strategy(DDPHook(), num_epochs=1)
+    gc.disable()  # no collection but close()'s
+    try:
+        with strategy:
+            strategy.run(make_loader())
+            wrapper = weakref.ref(strategy.ctx.models["main"])
+            assert isinstance(wrapper(), DistributedDataParallel)
+        assert wrapper() is None
+    finally:
+        gc.enable()
+    assert dist.is_initialized()
 
 
 @pytest.mark.usefixtures("world_of_one")
