@@ -482,7 +482,7 @@ class FSDPHook(ShardsTrainLoader):
             self._set_gradient_sync(True)
         self._active = False
         self._group = None
-        release_mesh_caches()
+        _release_mesh_caches()
         if self._owns_group:
             self._owns_group = False
             if dist.is_initialized():
@@ -490,7 +490,7 @@ class FSDPHook(ShardsTrainLoader):
                 dist.destroy_process_group()
 
 
-def release_mesh_caches() -> None:
+def _release_mesh_caches() -> None:
     """Empty DTensor's caches of sharding and redistribution plans, which keep every mesh they saw alive.
 
     A cached plan holds its DTensor specs or its mesh, and a mesh holds its process groups: without
