@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from nvtrain.batching import batch_size
 from nvtrain.bus import HookBus
@@ -366,7 +367,7 @@ class TrainingStrategy:
             start_epoch=ctx.epoch if progressed else config.start_epoch,
             num_epochs=num_epochs,
             max_steps=max_steps,
-            process_group=getattr(self.distributed_manager, "process_group", None),
+            process_group=self._scheduler_group(),
             synchronized_stream=bool(getattr(loader, "synchronized_stream", False)),
         )
         scheduler.finish_step_required = True  # the loop closes every window itself, after DO_OPTIMIZER_STEP
@@ -376,6 +377,17 @@ class TrainingStrategy:
             with contextlib.suppress(ValueError):  # another batch configuration: start the epoch afresh
                 scheduler.load_state_dict(previous.state_dict())  # continue where the last run stopped
         return scheduler
+
+    def _scheduler_group(self) -> Any:
+        """The manager's group for the scheduler's agreements; None (torch's name for it) for the default group.
+
+        The scheduler stays on ``ctx.scheduler`` after the run: holding the default group object
+        there would keep a destroyed group alive for as long as the strategy lives.
+        """
+        group = getattr(self.distributed_manager, "process_group", None)
+        if group is not None and dist.is_available() and dist.is_initialized() and group is dist.group.WORLD:
+            return None
+        return group
 
     def _saves_checkpoints(self) -> bool:
         return any(

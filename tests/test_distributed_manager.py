@@ -152,6 +152,48 @@ def test_the_manager_does_not_keep_a_group_that_the_caller_destroys() -> None:
     assert sys.getrefcount(group) == 2
 
 
+def test_a_strategy_kept_after_its_run_does_not_hold_the_destroyed_group() -> None:
+    # A script that keeps its strategy in a global until exit: the documented pattern (``with strategy:``,
+    # then destroy the group) must leave nothing in it that holds the group
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    strategy = nvtrain.TrainingStrategy(
+        torch.nn.Linear(3, 2),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        torch.nn.functional.mse_loss,
+        device="cpu",
+        distributed_manager=DistributedManager.initialize(),
+        num_epochs=1,
+    )
+    with strategy:
+        strategy.run([(torch.randn(2, 3), torch.randn(2, 2)) for _ in range(3)])
+    dist.destroy_process_group()
+    gc.collect()
+    # CPython counts getrefcount's own argument: 2 means only this test's variable still holds the group
+    assert sys.getrefcount(group) == 2
+    assert strategy.ctx.step_count == 3
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_the_scheduler_agrees_over_the_managers_group() -> None:
+    class Manager:  # a duck-typed manager training over a subgroup
+        rank, world_size, process_group = 0, 1, dist.new_group([0])
+
+    strategy = nvtrain.TrainingStrategy(
+        torch.nn.Linear(3, 2),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        torch.nn.functional.mse_loss,
+        device="cpu",
+        distributed_manager=Manager(),
+        num_epochs=1,
+    )
+    strategy.run([(torch.randn(2, 3), torch.randn(2, 2))])
+    assert strategy.ctx.scheduler.process_group is Manager.process_group
+    strategy.distributed_manager = DistributedManager.initialize()  # the default group: None, torch's name for it
+    strategy.run([(torch.randn(2, 3), torch.randn(2, 2))])
+    assert strategy.ctx.scheduler.process_group is None
+
+
 class _Cycle:
     """Garbage in a reference cycle that holds the default group, as a finished run leaves it."""
 
