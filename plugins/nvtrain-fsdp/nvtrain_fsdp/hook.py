@@ -258,8 +258,9 @@ class FSDPHook(ShardsTrainLoader):
                     ", ".join(ignored),
                 )
             for key in self._keys(ctx):  # one script for python and torchrun: a meta model is still built here
-                if on_meta_device(ctx.models[key]):
-                    self._materialise(key, ctx.models[key], ctx.device)
+                model = ctx.models[key]
+                if on_meta_device(model):
+                    self._materialise(model, self._meta_initialisers(key, model), ctx.device)
             return
         if self.cpu_offload and ctx.device.type != "cuda":
             raise FieldValueError(
@@ -363,9 +364,9 @@ class FSDPHook(ShardsTrainLoader):
                 f"FSDPHook: model {key!r} has parameters on {sorted(str(d) for d in devices)} but the strategy trains "
                 f"on {mesh_type}; move the model to the strategy's device (TrainingStrategy does so before SETUP)"
             )
-        if meta:
-            self._meta_initialisers(key, model)  # refused before sharding when it would leave a tensor unset
-        elif self.sync_module_states:  # a meta model has nothing to broadcast: every rank initialises alike
+        # a meta model is refused before sharding when its initialisers would leave a tensor unset
+        initialisers = self._meta_initialisers(key, model) if meta else []
+        if not meta and self.sync_module_states:  # a meta model has nothing to broadcast: ranks initialise alike
             _broadcast_from_first_rank(model, self._group)
         self._units[key] = shard_model(
             model,
@@ -379,7 +380,7 @@ class FSDPHook(ShardsTrainLoader):
         assert isinstance(model, FSDPModule)
         if meta:  # offloaded shards live in host memory
             assert self._ctx is not None
-            self._materialise(key, model, torch.device("cpu") if self.cpu_offload else self._ctx.device)
+            self._materialise(model, initialisers, torch.device("cpu") if self.cpu_offload else self._ctx.device)
         self._sharded[key] = model
 
     def _meta_initialisers(self, key: str, model: torch.nn.Module) -> list[Callable[[], Any]]:
@@ -412,9 +413,11 @@ class FSDPHook(ShardsTrainLoader):
             )
         return initialisers
 
-    def _materialise(self, key: str, model: torch.nn.Module, device: torch.device) -> None:
-        """Allocate a meta model's (sharded) tensors on ``device`` and initialise them with ``meta_init``."""
-        initialisers = self._meta_initialisers(key, model)
+    def _materialise(
+        self, model: torch.nn.Module, initialisers: list[Callable[[], Any]], device: torch.device
+    ) -> None:
+        """Allocate a meta model's (sharded) tensors on ``device`` and run its ``meta_init`` ``initialisers``
+        (bound methods found before sharding; ``fully_shard`` keeps the module objects)."""
         model.to_empty(device=device)
         with torch.no_grad(), self._init_rng():
             for initialise in initialisers:

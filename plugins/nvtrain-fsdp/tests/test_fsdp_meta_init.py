@@ -215,9 +215,9 @@ def test_nvtrain_train_builds_the_model_on_meta_for_the_fsdp_hook(
     built: list[bool] = []
     real = FSDPHook._materialise
 
-    def watch(self: FSDPHook, key: str, model: torch.nn.Module, device: torch.device) -> None:
+    def watch(self: FSDPHook, model: torch.nn.Module, initialisers: list[Any], device: torch.device) -> None:
         built.append(all(p.is_meta for p in model.parameters()))  # as the factory left it
-        real(self, key, model, device)
+        real(self, model, initialisers, device)
 
     monkeypatch.setattr(FSDPHook, "_materialise", watch)
     assert main(["train", str(write_job(tmp_path, "[fsdp]"))]) == 0
