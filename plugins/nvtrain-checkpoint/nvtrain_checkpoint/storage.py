@@ -394,13 +394,16 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
             f"{file}: checkpoint format {version!r} is not supported by this nvtrain-checkpoint "
             f"(it reads format {FORMAT_VERSION}); install the version that wrote it"
         )
-    entry = manifest.get("files", {}).get(STATE_NAME) if isinstance(manifest.get("files"), dict) else None
-    if (
-        not isinstance(entry, dict)
-        or not isinstance(entry.get("size"), int)
-        or not isinstance(entry.get("sha256"), str)
-    ):
+    files = manifest.get("files")
+    if not isinstance(files, dict) or STATE_NAME not in files:
         raise CheckpointError(f"{file} does not list {STATE_NAME} with its size and sha256")
+    for name, entry in files.items():  # state.pt, and a sharded checkpoint's shards
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("size"), int)
+            or not isinstance(entry.get("sha256"), str)
+        ):
+            raise CheckpointError(f"{file} does not list {name} with its size and sha256 (it has {entry!r})")
     return manifest
 
 

@@ -242,6 +242,10 @@ def test_a_state_file_that_is_not_a_torch_file_is_refused(tmp_path: Path) -> Non
         ('{"hello": 1}', r"manifest.json is not an nvtrain checkpoint manifest"),
         ('{"format_version": 99}', r"checkpoint format 99 is not supported"),
         ('{"format_version": 1, "files": {}}', r"does not list state.pt with its size and sha256"),
+        (
+            '{"format_version": 1, "files": {"state.pt": {"size": 1, "sha256": "0"}, "sharded/__0_0.distcp": {}}}',
+            r"does not list sharded/__0_0.distcp with its size and sha256 \(it has \{\}\)",
+        ),
     ],
 )
 def test_bad_manifests_are_refused(tmp_path: Path, content: str, message: str) -> None:
