@@ -52,9 +52,14 @@ class HookRegistry:
                 f"TrainingStrategy.hooks holds {len(orchestrators)} TrainingUpdateOrchestrators; only one "
                 "may own DO_BACKWARD and DO_OPTIMIZER_STEP. Compose update hooks with '+' or pass them bare."
             )
-        bare = [h for h in hooks if isinstance(h, TrainingUpdateHook)]
-        given = list(orchestrators[0].hooks) if orchestrators else []
-        self._orchestrator = TrainingUpdateOrchestrator([*given, *bare])
+        # in list order, a composed orchestrator's hooks where it stands: registration order breaks priority ties
+        update_hooks = [
+            inner
+            for hook in hooks
+            for inner in (hook.hooks if isinstance(hook, TrainingUpdateOrchestrator) else (hook,))
+            if isinstance(inner, TrainingUpdateHook)
+        ]
+        self._orchestrator = TrainingUpdateOrchestrator(update_hooks)
         self.bus.register(self._orchestrator, TrainingUpdateOrchestrator.plugin_name)
         for hook in hooks:
             if isinstance(hook, TrainingUpdateOrchestrator):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,6 +61,38 @@ def test_hooks_lists_update_hooks_then_the_others_each_in_registration_order() -
     assert registry.hooks() == [clip, accumulate, first, second]
     assert registry.update_hooks() == (clip, accumulate)
     assert registry.orchestrator.hooks_for(TrainingStage.DO_OPTIMIZER_STEP) == (accumulate, clip)
+
+
+class _Scale(nvtrain.TrainingUpdateHook):
+    """A DO_BACKWARD transform; the three used below do not commute, so their order shows in the loss."""
+
+    stages = frozenset({TrainingStage.DO_BACKWARD})
+
+    def __init__(self, name: str, transform: Any, order: list[str]) -> None:
+        self.name, self.transform, self.order = name, transform, order
+
+    def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
+        self.order.append(self.name)
+        return True, self.transform(ctx.loss)
+
+
+@pytest.mark.parametrize("composed_first", [False, True])
+def test_priority_ties_follow_the_list_order_also_around_a_composed_orchestrator(composed_first: bool) -> None:
+    order: list[str] = []
+    a = _Scale("a", lambda loss: loss * 2, order)
+    b = _Scale("b", lambda loss: loss + 1, order)
+    c = _Scale("c", lambda loss: loss * 3, order)
+    hooks: list[object] = [b + c, a] if composed_first else [a, b + c]
+    strategy = _strategy(hooks)
+    strategy.train_batch((torch.ones(4, 2), torch.zeros(4, 1)))
+    expected = ["b", "c", "a"] if composed_first else ["a", "b", "c"]
+    assert order == expected
+    assert [hook.name for hook in strategy.orchestrator.hooks_for(TrainingStage.DO_BACKWARD)] == expected
+    loss = strategy.ctx.loss
+    want = {"a": lambda x: x * 2, "b": lambda x: x + 1, "c": lambda x: x * 3}
+    for name in expected:
+        loss = want[name](loss)
+    assert torch.equal(strategy.ctx.backward_loss, loss)
 
 
 def test_an_update_hook_registered_after_bind_is_bound_to_the_optimizers() -> None:
