@@ -112,7 +112,14 @@ class TrainingUpdateOrchestrator:
         return self._by_stage.get(TrainingStage(stage), ())
 
     def bind(self, optimizers: dict[str, torch.optim.Optimizer], lr_schedulers: dict[str, Any]) -> None:
-        """Fix the optimizers (and the schedulers paired with each) once they are built."""
+        """Fix the optimizers (and the schedulers paired with each) once they are built.
+
+        The hooks have seen the device by then (SETUP), so flags that depended on it (a
+        mixed-precision hook's ``"auto"`` resolved to fp16 or not) are read again, exactly.
+        """
+        step_hooks = self._by_stage[_DO_OPTIMIZER_STEP]
+        _check_decide_then_act(step_hooks)
+        self._step_plan = tuple((h, uses_gradients(h), defers_step(h)) for h in step_hooks)
         self._optimizers = tuple(
             (name, optimizer, _as_tuple(lr_schedulers.get(name))) for name, optimizer in optimizers.items()
         )

@@ -93,12 +93,19 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     @property
     def uses_gradients(self) -> bool:  # type: ignore[override]
         """Under fp16 it unscales the gradients at DO_OPTIMIZER_STEP; bf16 and fp32 leave them alone."""
-        return self.precision == torch.float16
+        return self._may_be_fp16()
 
     @property
     def rescales_gradients(self) -> bool:  # type: ignore[override]
         """Under fp16 every other hook that uses gradients must run after the unscale."""
-        return self.precision == torch.float16
+        return self._may_be_fp16()
+
+    def _may_be_fp16(self) -> bool:
+        """fp16 once resolved; before that, also ``"auto"``: it resolves to fp16 on a CUDA device without bf16,
+        so a composition is checked as fp16 until the device is known (and exactly from SETUP on)."""
+        if self._dtype is not None:
+            return self._dtype == torch.float16
+        return self.precision == torch.float16 or self.precision == AUTO
 
     @property
     def dtype(self) -> torch.dtype | None:

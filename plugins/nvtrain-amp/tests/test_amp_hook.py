@@ -703,3 +703,31 @@ def test_fp16_loss_scale_and_overflow_skips_reach_the_metrics_file(tmp_path: Any
         ("2", "1", "512"),
         ("4", "1", "512"),
     ]
+
+
+# -- "auto" and the composition checks ---------------------------------------------------------------
+
+
+def test_auto_is_checked_as_fp16_before_the_device_is_known() -> None:
+    """"auto" resolves to fp16 on a CUDA device without bf16: an order fp16 refuses is refused for it everywhere."""
+    clip_first = nvtrain.hooks.GradientClippingHook(max_norm=1.0, priority=15)
+    with pytest.raises(ValueError, match=r"GradientClippingHook .*priority 15.*MixedPrecisionHook"):
+        make_strategy([clip_first, MixedPrecisionHook(precision="auto")])
+    make_strategy([clip_first, MixedPrecisionHook(precision="bf16")])  # bf16 never rescales: the order is fine
+
+
+@pytest.mark.parametrize(("resolved", "rescales"), [(torch.float32, False), (torch.float16, True)])
+def test_once_resolved_the_flags_say_what_the_resolved_precision_does(
+    resolved: torch.dtype, rescales: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nvtrain_amp.hook as amp_module
+
+    monkeypatch.setattr(amp_module, "resolve_auto", lambda device: resolved)
+    hook = MixedPrecisionHook(precision="auto")
+    assert hook.uses_gradients and hook.rescales_gradients  # unresolved: checked as fp16
+    strategy = make_strategy([hook])
+    strategy.train_batch(make_batches(1)[0])
+    assert hook.dtype == resolved
+    assert (hook.uses_gradients, hook.rescales_gradients) == (rescales, rescales)
+    plan = {h: uses for h, uses, _ in strategy.orchestrator._step_plan}
+    assert plan[hook] is rescales  # the orchestrator read the flags again once the optimizers were bound
