@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from nvtrain.context import TrainingContext
 
-__all__ = ["TRACE_ENV", "HookBus"]
+__all__ = ["TRACE_ENV", "HookBus", "refuse_unmarked_stage_methods"]
 
 #: Set to 1 to trace every hook call through pluggy's monitoring (to stderr).
 TRACE_ENV = "NVTRAIN_TRACE"
@@ -105,7 +105,7 @@ class _BusPluginManager(pluggy.PluginManager):
         if isinstance(plugin, type):
             raise TypeError(f"register an instance, not the class {plugin.__qualname__}")
         check_priority(plugin)
-        _refuse_unmarked_stage_methods(plugin)
+        refuse_unmarked_stage_methods(plugin)
         _refuse_equal_twin(plugin, self.registered())
         try:
             registered = super().register(plugin, name)
@@ -459,7 +459,7 @@ def _refuse_equal_twin(plugin: object, registered: list[Any]) -> None:
             )
 
 
-def _refuse_unmarked_stage_methods(plugin: object) -> None:
+def refuse_unmarked_stage_methods(plugin: object) -> None:
     """A method named like a stage but not marked is almost always a forgotten decorator."""
     for name in _STAGE_NAMES:
         method = getattr(plugin, name, None)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from nvtrain.adapter import HookAdapter
-from nvtrain.bus import HookBus
+from nvtrain.bus import HookBus, refuse_unmarked_stage_methods
 from nvtrain.hook import Hook, TrainingUpdateHook, hook_label
 from nvtrain.hookspecs import PROJECT_NAME
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
@@ -110,6 +110,8 @@ class HookRegistry:
         if self._binding is not None:
             new.bind(*self._binding)
         observing = _has_hookimpls(hook)
+        if not observing:
+            refuse_unmarked_stage_methods(hook)
         if observing:
             self.bus.register(hook, getattr(hook, "plugin_name", None))
         try:
@@ -146,9 +148,11 @@ class HookRegistry:
         self._closables.append(hook)
 
     def _observe(self, hook: TrainingUpdateHook) -> None:
-        """An update hook may also observe stages through @hookimpl methods."""
+        """An update hook may also observe stages through @hookimpl methods (all of them marked)."""
         if _has_hookimpls(hook):
             self.bus.register(hook, getattr(hook, "plugin_name", None))
+        else:  # the bus checks the others; one with no mark at all would otherwise never be looked at
+            refuse_unmarked_stage_methods(hook)
 
     # -- closing --------------------------------------------------------------------------------
 

@@ -234,3 +234,19 @@ def test_no_code_outside_tests_calls_the_strategys_old_private_entry_points(name
         if pattern in path.read_text(encoding="utf-8")
     ]
     assert offenders == []
+
+
+def test_an_update_hook_with_an_unmarked_stage_method_is_refused() -> None:
+    class ForgotTheMark(nvtrain.TrainingUpdateHook):
+        stages = frozenset({TrainingStage.AFTER_OPTIMIZER_STEP})
+
+        def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
+            return True, None
+
+        def before_training(self, ctx: Any) -> None:  # meant as an observer: without the mark, never called
+            raise AssertionError("unreachable")
+
+    with pytest.raises(ValueError, match=r"ForgotTheMark: method 'before_training' is named after a stage but is not"):
+        _strategy([ForgotTheMark()])
+    with pytest.raises(ValueError, match=r"method 'before_training' is named after a stage"):
+        _strategy([]).register_hook(ForgotTheMark())
