@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from nvtrain import schedules
 from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
@@ -17,6 +20,16 @@ from nvtrain.strategy import RunResult, TrainingStrategy
 from nvtrain.validation import ValidationConfig, ValidationLoop
 
 __version__ = "0.1.0"
+
+#: Subpackages ``import nvtrain`` leaves unimported (plugin discovery reads entry points): the first
+#: ``nvtrain.plugins.load(...)`` or ``nvtrain.hooks.X`` imports them, as ``import nvtrain.plugins`` would.
+_LAZY_SUBMODULES = frozenset({"hooks", "plugins", "testing", "validators"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"nvtrain.{name}")
+    raise AttributeError(f"module 'nvtrain' has no attribute {name!r}")
 
 __all__ = [
     "PRIORITY_FIRST",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -462,3 +463,20 @@ def test_a_class_name_two_plugins_provide_is_ambiguous(site: FakeSite, good: str
     site.dist("nvtrain-fake-twin", {"fake-twin": good})
     with pytest.raises(ImportError, match=r"FakeObserver is provided by several plugins"):
         nvtrain.hooks.FakeObserver  # noqa: B018
+
+
+def test_nvtrain_plugins_is_reachable_after_a_plain_import_nvtrain() -> None:
+    """The docs write ``import nvtrain; nvtrain.plugins.load(...)``: the subpackage loads on first use, not before."""
+    code = (
+        "import sys, nvtrain\n"
+        "assert 'nvtrain.plugins' not in sys.modules\n"
+        "assert callable(nvtrain.plugins.load) and nvtrain.hooks.GradientClippingHook\n"
+        "try:\n"
+        "    nvtrain.no_such_name\n"
+        "except AttributeError as err:\n"
+        "    assert 'no_such_name' in str(err)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
