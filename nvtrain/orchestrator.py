@@ -81,6 +81,11 @@ class TrainingUpdateOrchestrator:
             stage: frozenset(id(h) for h in self._by_stage[stage] if may_veto(h, stage))
             for stage in (_BEFORE_BATCH, _DO_OPTIMIZER_STEP)
         }
+        placers = [getattr(h, "place_micro_batch", None) for h in hooks]
+        placers = [placer for placer in placers if callable(placer)]
+        #: Standalone ``train_batch()``: the accumulating hook's ``place_micro_batch(ctx)``, which publishes the
+        #: micro-batch's window fields before BEFORE_BATCH (None: every micro-batch is a window of one).
+        self.window_placer: Callable[[TrainingContext], None] | None = placers[0] if placers else None
         steppers = [h for h in ordered if callable(getattr(h, "step_optimizer", None))]
         self._stepper = steppers[0] if steppers else None
         self._optimizers: tuple[tuple[str, torch.optim.Optimizer, tuple[Any, ...]], ...] = ()

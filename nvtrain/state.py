@@ -33,6 +33,7 @@ from nvtrain.stages import TrainingStage
 from nvtrain.step_scheduler import stateful_loader_state
 
 if TYPE_CHECKING:
+    from nvtrain.context import TrainingContext
     from nvtrain.strategy import TrainingStrategy
 
 __all__ = [
@@ -171,7 +172,9 @@ def capture_state(strategy: TrainingStrategy) -> dict[str, Any]:
     ctx = strategy.ctx
     scheduler = ctx.scheduler
     scheduler_state = scheduler.state_dict() if callable(getattr(scheduler, "state_dict", None)) else None
+    window = _open_window_gradients(ctx)
     return {
+        **({"gradients": window} if window is not None else {}),
         "format": STATE_FORMAT,
         "models": {name: unwrap_model(model).state_dict() for name, model in ctx.models.items()},
         "optimizers": {name: optimizer.state_dict() for name, optimizer in ctx.optimizers.items()},
@@ -185,6 +188,36 @@ def capture_state(strategy: TrainingStrategy) -> dict[str, Any]:
         # own state is in "scheduler" already (rng_by_rank, when there is one, holds every rank's).
         "rng": capture_rng_state(ctx.train_loader, loader_state=False),
     }
+
+
+def _open_window_gradients(ctx: TrainingContext) -> dict[str, dict[str, torch.Tensor]] | None:
+    """The gradients accumulated so far when standalone ``train_batch()`` calls left a window open, else None.
+
+    Resuming continues that window (the accumulation hook's counter is in its state), so its
+    micro-batches' gradients are part of the state. A run's windows need none: a state captured
+    inside one resumes at the window's start and replays it.
+    """
+    if ctx.sync_gradients or ctx.windowed:
+        return None
+    if ctx.world_size > 1:
+        raise RuntimeError(
+            f"capturing the training state inside an accumulation window (micro-batch {ctx.window_position + 1} of "
+            f"{ctx.window_size}) with {ctx.world_size} ranks: each rank holds gradients of its own that the window "
+            "has not reduced yet, and one state cannot carry them; capture it after the window's last micro-batch"
+        )
+    return {
+        name: {key: param.grad for key, param in unwrap_model(model).named_parameters() if param.grad is not None}
+        for name, model in ctx.models.items()
+    }
+
+
+def _apply_window_gradients(ctx: TrainingContext, saved: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    """Give the parameters the gradients of the window a state was captured in (``None`` where it had none)."""
+    for name, model in ctx.models.items():
+        grads = saved.get(name, {})
+        for key, param in unwrap_model(model).named_parameters():
+            grad = grads.get(key)
+            param.grad = None if grad is None else torch.empty_like(param).copy_(grad)
 
 
 def _scheduler_state(name: str, scheduler: Any) -> Any:
@@ -322,6 +355,9 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
             sched.load_state_dict(saved)
     for name in COUNTERS:
         setattr(ctx, name, int(state["counters"][name]))
+    window = state.get("gradients")
+    if window is not None:
+        _apply_window_gradients(ctx, window)
     _apply_hook_states(strategy, state["hooks"], legacy=state.get("hook_keys") != HOOK_KEYS)
     if scheduler:
         apply_scheduler_state(strategy, state)
@@ -366,6 +402,31 @@ def apply_scheduler_state(strategy: TrainingStrategy, state: Mapping[str, Any]) 
         raise
     except ValueError as err:  # a data position this job's loader cannot continue
         raise ResumeError(str(err)) from None
+
+
+def without_data_position(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` without its data position: the epoch it would continue starts from its first micro-batch.
+
+    For a resume that cannot carry the position over (another number of ranks). Dropping
+    only ``"scheduler"`` would restart ``counters["epoch"]``, which after an epoch's last step
+    is the epoch already finished; the saved scheduler state names the epoch to continue
+    (the next one then), so the counters take it, at position 0 (``epoch_step_count``).
+    Each rank's StatefulDataLoader state (in ``rng_by_rank``) is part of the position and
+    goes too. ``state`` itself is not changed.
+    """
+    counters = dict(state["counters"])
+    saved = state.get("scheduler")
+    if isinstance(saved, Mapping) and "epoch" in saved:
+        counters["epoch"] = int(saved["epoch"])
+    counters["epoch_step_count"] = 0
+    stripped: dict[str, Any] = {**state, "counters": counters, "scheduler": None}
+    by_rank = state.get("rng_by_rank")
+    if isinstance(by_rank, (list, tuple)):
+        stripped["rng_by_rank"] = [
+            {key: value for key, value in rng.items() if key != "loader"} if isinstance(rng, Mapping) else rng
+            for rng in by_rank
+        ]
+    return stripped
 
 
 def _apply_hook_states(strategy: TrainingStrategy, saved: Mapping[str, Any], *, legacy: bool = False) -> None:
@@ -453,6 +514,15 @@ def load_state(strategy: TrainingStrategy, state: Mapping[str, Any], source: str
         raise
     if not in_run_start:
         _pending(strategy).hold(state, source, scheduler_only=True)
+
+
+def apply_held_state(strategy: TrainingStrategy) -> None:
+    """Apply, now that ``strategy`` is set up, a state :func:`load_state` held from before; its data
+    position still waits for the next run (``train_batch()`` and ``validate()`` would never reach one)."""
+    for plugin in strategy.bus.plugins():
+        if isinstance(plugin, PendingRestore) and plugin.state is not None and not plugin.scheduler_only:
+            state, plugin.state = plugin.state, None
+            load_state(strategy, state, plugin.source)
 
 
 def _pending(strategy: TrainingStrategy) -> PendingRestore:

@@ -263,7 +263,7 @@ class TrainingStrategy:
         if train_loader is None:
             raise ValueError("TrainingStrategy.run(train_loader): a loader or iterable of batches is required")
         ctx, bus = self.ctx, self.registry.bus
-        self.setup(train_loader)
+        self._set_up(train_loader)
         scheduler = self._build_scheduler(ctx.train_loader)
         ctx.scheduler = scheduler
         ctx.preempted = False
@@ -448,7 +448,11 @@ class TrainingStrategy:
         """
         self.setup()
         ctx = self.ctx
-        ctx.window_size, ctx.window_position, ctx.sync_gradients = 1, 0, True
+        placer = self.registry.orchestrator.window_placer
+        if placer is None:
+            ctx.window_size, ctx.window_position, ctx.sync_gradients = 1, 0, True
+        else:
+            placer(ctx)
         try:
             self._train_micro_batch(batch)
         finally:
@@ -517,8 +521,18 @@ class TrainingStrategy:
 
         ``run()``, ``train_batch()``, ``validate()`` and ``load_checkpoint()`` call it; call it
         yourself to inspect wrapped models or built optimizers before training. Later calls
-        only take a new ``train_loader``.
+        only take a new ``train_loader``. A state restored before (``load_state_dict``,
+        ``restore``) is applied once the optimizers exist, its data position at the next ``run()``.
         """
+        first = not self._is_set_up
+        self._set_up(train_loader)
+        if first:
+            from nvtrain.state import apply_held_state
+
+            apply_held_state(self)
+
+    def _set_up(self, train_loader: Iterable[Any] | None) -> None:
+        """SETUP itself; ``run()`` calls it directly, so a held state is applied whole at BEFORE_TRAINING."""
         ctx = self.ctx
         if self._is_set_up:
             # The loader SETUP saw may have been replaced by a plugin (a DDP sampler): keep the

@@ -39,7 +39,8 @@ class GradientAccumulationHook(TrainingUpdateHook):
       ``ctx.sync_gradients`` before each micro-batch (``ctx.windowed`` is True);
     - in standalone ``train_batch()`` calls (``ctx.windowed`` False) the hook
       counts micro-batches itself, in windows of ``steps``, and publishes the
-      three fields at its BEFORE_BATCH call.
+      three fields before BEFORE_BATCH fires (the strategy calls
+      :meth:`place_micro_batch`), so every BEFORE_BATCH implementation sees them.
 
     ``ctx.sync_gradients`` is True on the micro-batch that ends a window: a DDP
     hook reads it (from BEFORE_FORWARD on) to skip the gradient all-reduce on the
@@ -64,6 +65,8 @@ class GradientAccumulationHook(TrainingUpdateHook):
 
     # standalone counting: position of the next micro-batch in its window
     _position: int = attrs.field(init=False, default=0, repr=False)
+    #: place_micro_batch() placed the current micro-batch: its BEFORE_BATCH call must not count it again.
+    _placed: bool = attrs.field(init=False, default=False, repr=False, on_setattr=attrs.setters.NO_OP)
 
     def __call__(self, ctx: TrainingContext, stage: TrainingStage, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
         if stage is _DO_BACKWARD:
@@ -74,11 +77,20 @@ class GradientAccumulationHook(TrainingUpdateHook):
             return ctx.window_position == ctx.window_size - 1, None
         if stage is _BEFORE_BATCH:
             if not ctx.windowed:
-                self._count(ctx)
+                if self._placed:
+                    self._placed = False
+                else:  # called without the strategy's placement (an orchestrator driven by hand)
+                    self._count(ctx)
             elif self._position:
                 self._position = 0  # the scheduler's windows replace a standalone window left open
             return ctx.window_position == 0, None
         return True, ctx.loss
+
+    def place_micro_batch(self, ctx: TrainingContext) -> None:
+        """Standalone ``train_batch()``: place the coming micro-batch in its window and publish it on ``ctx``,
+        before any BEFORE_BATCH implementation reads the fields."""
+        self._count(ctx)
+        self._placed = True
 
     def _count(self, ctx: TrainingContext) -> None:
         """Place this micro-batch in a window and publish it on ``ctx`` (standalone mode)."""

@@ -142,6 +142,8 @@ class SpikeSkipHook(TrainingUpdateHook):
     _skipped: int = attrs.field(init=False, default=0, repr=False)
     _window_loss: torch.Tensor | None = attrs.field(init=False, default=None, repr=False)
     _window_count: int = attrs.field(init=False, default=0, repr=False)
+    #: ``ctx.metrics["skipped_steps"]`` is republished only on a skip; a restored count must replace it too.
+    _metric_stale: bool = attrs.field(init=False, default=False, repr=False)
     _watch_loss: bool = attrs.field(init=False, repr=False)
     _watch_norm: bool = attrs.field(init=False, repr=False)
     _params: OptimizerParameters = attrs.field(init=False, repr=False)
@@ -177,8 +179,10 @@ class SpikeSkipHook(TrainingUpdateHook):
             return True, None
         if self._watch_loss:
             loss = ctx.loss.detach().float()  # type: ignore[union-attr]
-            self._window_loss = loss if self._window_loss is None else self._window_loss + loss
-            self._window_count += 1
+            if ctx.window_position == 0 or self._window_loss is None:  # a window left open is abandoned, not added
+                self._window_loss, self._window_count = loss, 1
+            else:
+                self._window_loss, self._window_count = self._window_loss + loss, self._window_count + 1
         if not ctx.sync_gradients:
             return True, None  # inside an accumulation window: nothing to decide yet
         window_loss, count = self._window_loss, self._window_count
@@ -189,8 +193,9 @@ class SpikeSkipHook(TrainingUpdateHook):
         self.last_skipped = skip
         if skip:
             self._skipped += 1
-        if skip or "skipped_steps" not in ctx.metrics:
+        if skip or self._metric_stale or "skipped_steps" not in ctx.metrics:
             ctx.metrics["skipped_steps"] = torch.tensor(self._skipped)
+            self._metric_stale = False
         return not skip, None
 
     def _decide(self, ctx: TrainingContext, loss: torch.Tensor | None) -> bool:
@@ -240,6 +245,9 @@ class SpikeSkipHook(TrainingUpdateHook):
             "norm_history": list(self._norm_stats.values),
             "accepted_steps": self._accepted,
             "skipped_steps": self._skipped,
+            # a window left open by standalone train_batch() calls: its losses so far (the mean is judged)
+            "window_loss": None if self._window_loss is None else self._window_loss.clone(),
+            "window_count": self._window_count,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -247,3 +255,7 @@ class SpikeSkipHook(TrainingUpdateHook):
         self._norm_stats = RollingStats(self.window, state["norm_history"])
         self._accepted = int(state["accepted_steps"])
         self._skipped = int(state["skipped_steps"])
+        self._metric_stale = True
+        window_loss = state.get("window_loss")  # absent from states saved before windows were kept
+        self._window_loss = None if window_loss is None else torch.as_tensor(window_loss).float().clone()
+        self._window_count = int(state.get("window_count", 0)) if window_loss is not None else 0

@@ -268,3 +268,77 @@ def test_load_state_dict_refuses_another_window_size() -> None:
     state = GradientAccumulationHook(steps=2).state_dict()
     with pytest.raises(ValueError, match="saved with steps=2, this hook has steps=4"):
         GradientAccumulationHook(steps=4).load_state_dict(state)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("cut", [1, 2, 4])
+def test_a_strategy_state_captured_inside_a_window_resumes_it_bitwise(optimizer: str, cut: int) -> None:
+    """The window's gradients so far are part of the state: the resumed run adds the rest to them."""
+    batches = make_batches(6)
+    straight = make_strategy([GradientAccumulationHook(steps=3)], OPTIMIZERS[optimizer])
+    for batch in batches:
+        straight.train_batch(batch)
+
+    first = make_strategy([GradientAccumulationHook(steps=3)], OPTIMIZERS[optimizer])
+    for batch in batches[:cut]:
+        first.train_batch(batch)
+    state = copy.deepcopy(first.state_dict())
+    assert ("gradients" in state) == (cut % 3 != 0)
+    resumed = make_strategy([GradientAccumulationHook(steps=3)], OPTIMIZERS[optimizer])
+    resumed.load_state_dict(state)  # before setup: applied when train_batch() sets the strategy up
+    for batch in batches[cut:]:
+        resumed.train_batch(batch)
+    assert resumed.ctx.step_count == straight.ctx.step_count == 2
+    for mine, theirs in zip(resumed.ctx.models["main"].parameters(), straight.ctx.models["main"].parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_window_state_from_several_ranks_is_refused_naming_the_window() -> None:
+    strategy = make_strategy([GradientAccumulationHook(steps=3)], OPTIMIZERS["sgd"])
+    strategy.train_batch(make_batches(1)[0])
+    strategy.ctx.world_size = 2  # as under torchrun: each rank's window gradients are its own
+    with pytest.raises(RuntimeError, match=r"inside an accumulation window \(micro-batch 1 of 3\) with 2 ranks"):
+        strategy.state_dict()
+
+
+def test_a_run_state_captured_inside_a_window_replays_the_window_and_holds_no_gradients() -> None:
+    captured: list[dict[str, Any]] = []
+
+    class Capture:
+        @nvtrain.hookimpl
+        def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+            if not ctx.sync_gradients:
+                captured.append(ctx.strategy.state_dict())
+
+    strategy = make_strategy([GradientAccumulationHook(steps=3), Capture()], OPTIMIZERS["sgd"])
+    strategy.run(make_batches(3))
+    assert len(captured) == 2 and all("gradients" not in state for state in captured)
+
+
+@pytest.mark.parametrize("priority", [1, 50, 99])
+def test_every_before_batch_implementation_sees_the_standalone_window(priority: int) -> None:
+    seen: list[tuple[int, int, bool]] = []
+
+    class Early:
+        @nvtrain.hookimpl
+        def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
+            seen.append((ctx.window_size, ctx.window_position, ctx.sync_gradients))
+
+    observer = Early()
+    observer.priority = priority  # type: ignore[attr-defined]
+    hook = GradientAccumulationHook(steps=3)
+    strategy = make_strategy([hook, observer], OPTIMIZERS["sgd"])
+    for batch in make_batches(4):
+        strategy.train_batch(batch)
+    assert seen == [(3, 0, False), (3, 1, False), (3, 2, True), (3, 0, False)]
+    assert hook.state_dict()["position"] == 1  # each micro-batch counted once
+
+
+def test_an_orchestrator_driven_by_hand_still_counts_the_standalone_window() -> None:
+    hook = GradientAccumulationHook(steps=2)
+    ctx = nvtrain.TrainingContext()
+    positions = []
+    for _ in range(3):
+        hook(ctx, TrainingStage.BEFORE_BATCH, False)
+        positions.append((ctx.window_position, ctx.sync_gradients))
+    assert positions == [(0, False), (1, True), (0, False)]

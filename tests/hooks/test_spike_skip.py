@@ -228,6 +228,46 @@ def test_state_dict_round_trip_restores_the_thresholds() -> None:
     assert len(restored.state_dict()["loss_history"]) == 4  # the window bounds the statistics
 
 
+def test_a_window_left_open_is_abandoned_not_added_to_the_next_one() -> None:
+    """A standalone window left open before run() takes over: run()'s first window is judged on its own losses."""
+    hook = SpikeSkipHook(warmup_steps=10)
+    loss_fn = InjectingLoss({0: 1e3})  # the abandoned micro-batch's loss is huge: it would dominate the mean
+    strategy = make_strategy([GradientAccumulationHook(steps=2), hook], loss_fn)
+    batches = make_batches(3)
+    strategy.train_batch(batches[0])  # opens a window of 2 and leaves it open
+    strategy.run(batches[1:])  # one window of 2 micro-batches
+    assert hook.state_dict()["loss_history"] == pytest.approx([(loss_fn.values[1] + loss_fn.values[2]) / 2])
+
+
+def test_a_state_captured_inside_a_window_keeps_its_losses_so_far() -> None:
+    batches = make_batches(4)
+    straight_hook = SpikeSkipHook(warmup_steps=10)
+    straight = make_strategy([GradientAccumulationHook(steps=2), straight_hook], InjectingLoss())
+    for batch in batches:
+        straight.train_batch(batch)
+    first = make_strategy([GradientAccumulationHook(steps=2), SpikeSkipHook(warmup_steps=10)], InjectingLoss())
+    first.train_batch(batches[0])
+    state = copy.deepcopy(first.state_dict())
+    resumed_hook = SpikeSkipHook(warmup_steps=10)
+    resumed = make_strategy([GradientAccumulationHook(steps=2), resumed_hook], InjectingLoss())
+    resumed.load_state_dict(state)
+    for batch in batches[1:]:
+        resumed.train_batch(batch)
+    assert resumed_hook.state_dict()["loss_history"] == straight_hook.state_dict()["loss_history"]
+    assert len(straight_hook.state_dict()["loss_history"]) == 2
+
+
+def test_a_restored_skip_count_replaces_the_published_metric() -> None:
+    hook = SpikeSkipHook(warmup_steps=3, window=4, threshold_sigmas=20.0)
+    strategy = make_strategy([hook], InjectingLoss({5: 1e3}))
+    for batch in make_batches(7):
+        strategy.train_batch(batch)
+    assert int(strategy.ctx.metrics["skipped_steps"]) == 1
+    hook.load_state_dict({**hook.state_dict(), "skipped_steps": 0})  # an earlier state, restored in place
+    strategy.train_batch(make_batches(1, seed=9)[0])
+    assert int(strategy.ctx.metrics["skipped_steps"]) == 0
+
+
 # -- rank consistency ------------------------------------------------------------------------------
 
 SPIKE_AT = 3
