@@ -26,6 +26,22 @@ _DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
 _AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
 
 
+def _skip_together(scaler: torch.amp.GradScaler, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """One decision per batch: an inf/NaN in any optimizer's gradients skips every optimizer's step.
+
+    GradScaler alone skips each optimizer on its own check, so one model of a pair could step
+    while the other did not, and ``ctx.step_skipped`` (EMA, LR schedulers, cadences) could not
+    say both. Each optimizer's flag takes the union of all, on the device (no host sync).
+    """
+    flags = [flag for optimizer in optimizers for flag in scaler._found_inf_per_device(optimizer).values()]
+    if len(flags) < 2:
+        return
+    device = flags[0].device
+    overflowed = torch.stack([flag.to(device).reshape(()) != 0 for flag in flags]).any().float()
+    for flag in flags:
+        flag.copy_(overflowed)  # a sharded scaler's flag is a sum over ranks: 0 or more is all it reads
+
+
 @attrs.define(eq=False)
 class _StepWatcher:
     """Learns whether ``optimizer.step()`` ran, from an optimizer step post-hook (no device sync)."""
@@ -183,6 +199,8 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             if not will_skip and self._scaler is not None:
                 for optimizer in ctx.optimizers.values():
                     self._scaler.unscale_(optimizer)
+                if len(ctx.optimizers) > 1:
+                    _skip_together(self._scaler, ctx.optimizers.values())
                 self._unscaled = True
         elif stage == _AFTER_OPTIMIZER_STEP and self._unscaled:
             # Also after a later hook vetoed the step: update() consumes the inf checks

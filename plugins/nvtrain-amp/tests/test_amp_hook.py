@@ -731,3 +731,36 @@ def test_once_resolved_the_flags_say_what_the_resolved_precision_does(
     assert (hook.uses_gradients, hook.rescales_gradients) == (rescales, rescales)
     plan = {h: uses for h, uses, _ in strategy.orchestrator._step_plan}
     assert plan[hook] is rescales  # the orchestrator read the flags again once the optimizers were bound
+
+
+# -- several optimizers --------------------------------------------------------------------------------
+
+
+def test_an_overflow_in_one_optimizers_gradients_skips_every_optimizer() -> None:
+    """One decision per batch: GradScaler alone would step the clean optimizer and skip the other."""
+    torch.manual_seed(0)
+    models = {"a": torch.nn.Linear(4, 1), "b": torch.nn.Linear(4, 1)}
+    poison = {"on": False}
+    models["b"].weight.register_hook(lambda grad: grad * float("inf") if poison["on"] else grad)
+    strategy = nvtrain.TrainingStrategy(
+        models=models,
+        optimizers={"a": functools.partial(torch.optim.SGD, lr=0.1), "b": functools.partial(torch.optim.SGD, lr=0.1)},
+        loss_fn=torch.nn.functional.mse_loss,
+        forward_fn=lambda ctx: ctx.models["a"](ctx.batch[0]) + ctx.models["b"](ctx.batch[0]),
+        hooks=[MixedPrecisionHook(precision="fp16", init_scale=2.0**8)],  # no overflow on clean batches
+        device="cpu",
+    )
+    first, second, third = make_batches(3)
+    strategy.train_batch(first)
+    assert strategy.ctx.step_count == 1
+    before = {name: model.weight.detach().clone() for name, model in models.items()}
+    poison["on"] = True
+    strategy.train_batch(second)
+    assert strategy.ctx.step_skipped is True
+    assert strategy.ctx.step_count == 1  # unchanged
+    for name, model in models.items():
+        assert torch.equal(model.weight, before[name]), name
+    poison["on"] = False
+    strategy.train_batch(third)  # the scaler backed off and both step again
+    assert strategy.ctx.step_skipped is False and strategy.ctx.step_count == 2
+    assert all(not torch.equal(model.weight, before[name]) for name, model in models.items())
