@@ -16,7 +16,7 @@ import attrs
 import torch
 
 import nvtrain
-from nvtrain.state import capture_rng_state, capture_state, load_state, strategy_hooks
+from nvtrain.state import capture_rng_state, capture_state, load_state, strategy_hooks, without_data_position
 from nvtrain.validators import FieldTypeError, one_of, optional_int_at_least, refused, strict_bool
 from nvtrain_checkpoint import sharded, storage, writer_process
 from nvtrain_checkpoint.export import export_weights
@@ -59,6 +59,9 @@ class CheckpointHook:
     says ``is_ckpt_step`` (its cadence, the final step, a preemption). A preemption
     signal always saves, and a run that ends with unsaved steps saves once more at
     AFTER_TRAINING. Only real steps save, and never twice for one ``step_count``.
+    A save due at an epoch's last step is written at that epoch's AFTER_EPOCH, once
+    its end-of-epoch work (validation, epoch-interval LR schedules, the other
+    AFTER_EPOCH hooks) is done, so a resume starts the next epoch as a straight run does.
 
     ``async_save`` snapshots the state (copies it off the live tensors) on the
     training thread, then writes in the background; the next save, the end of
@@ -106,8 +109,11 @@ class CheckpointHook:
     _last_saved: tuple[int, Path] | None = attrs.field(init=False, default=None, repr=False)
     #: A due save deferred from AFTER_BATCH to the AFTER_VALIDATION that follows the step.
     _after_validation_save: bool = attrs.field(init=False, default=False, repr=False)
+    #: A due save at an epoch's last step, deferred from AFTER_BATCH to that epoch's AFTER_EPOCH.
+    _epoch_end_save: bool = attrs.field(init=False, default=False, repr=False)
     _root: Path | None = attrs.field(init=False, default=None, repr=False)
-    #: The resume decision, made once (``resume_checkpoint``) so its warnings print once.
+    #: The resume decision for the run about to start (``resume_checkpoint``), so its warnings print once;
+    #: that run's BEFORE_TRAINING consumes it.
     _resume_choice: tuple[Any, Path | None] | None = attrs.field(init=False, default=None, repr=False)
     #: Saves of models sharded with FSDP (DTensor parameters): one DCP checkpoint written by every rank.
     _sharded: sharded.ShardedSaver = attrs.field(init=False, factory=sharded.ShardedSaver, repr=False)
@@ -138,7 +144,9 @@ class CheckpointHook:
 
         A sharded checkpoint reshards its weights and optimizer state to this job's ranks.
         ``data_position=False`` leaves out the step scheduler's data position: the way to go on
-        with another number of ranks (its samplers differ), starting the saved epoch's data anew.
+        with another number of ranks (its samplers differ). The epoch the checkpoint would
+        continue starts from its first micro-batch: the saved one when it was saved mid-epoch,
+        the next one when it was saved at an epoch's end (a finished epoch is not trained again).
         Every rank calls it. Returns the checkpoint directory.
         """
         if not strategy.is_set_up:
@@ -154,7 +162,7 @@ class CheckpointHook:
             sharded.load_sharded(strategy, directory, data_position=data_position, source=source)
         else:
             state = self.read_checkpoint(directory)
-            load_state(strategy, {**state, "scheduler": None} if not data_position else state, source=source)
+            load_state(strategy, state if data_position else without_data_position(state), source=source)
         return directory
 
     def export(
@@ -191,11 +199,21 @@ class CheckpointHook:
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_FIRST)
     def before_training(self, ctx: nvtrain.TrainingContext) -> None:
-        """Resume (first, so every other hook starts from the restored state)."""
+        """Resume (first, so every other hook starts from the restored state).
+
+        The run consumes the resume decision (``resume_checkpoint``), also when it fails: a
+        later run with this hook (a retry after a crash) looks at the disk again.
+        """
+        try:
+            self._start_run(ctx)
+        finally:
+            self._resume_choice = None
+
+    def _start_run(self, ctx: nvtrain.TrainingContext) -> None:
         self._plugins = _active_plugins(strategy_hooks(ctx.strategy))  # type: ignore[arg-type]
         self._root = self.checkpoint_root(ctx)
         self._saved_step = ctx.step_count if ctx.step_count else None
-        self._after_validation_save = False
+        self._after_validation_save = self._epoch_end_save = False
         if self.async_save and self._writes(ctx) and self._in_process_writer():
             self._writer_process().start()  # a new one imports torch while the run starts, not at the first save
         if ctx.step_count != 0:
@@ -215,23 +233,32 @@ class CheckpointHook:
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
     def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
-        """Save after the last micro-batch of a window, once every other hook has finished with it."""
+        """Save after the last micro-batch of a window, once every other hook has finished with it.
+
+        A step that ends its epoch is saved at AFTER_EPOCH instead: the epoch's validation and its
+        epoch-interval LR schedules run after this stage, and a resumed run would not redo them.
+        """
         if not ctx.sync_gradients:
             return
         scheduler = ctx.scheduler if ctx.windowed else None  # standalone train_batch(): no scheduler decides
-        if scheduler is not None and scheduler.sigterm_received:
-            self._save(ctx)
+        if not self._due(ctx, scheduler):
             return
-        if ctx.step_skipped:
-            return
-        if self.step_interval is not None or self.epoch_interval is not None:
-            due = self.step_interval is not None and ctx.step_count % self.step_interval == 0
-        else:
-            due = scheduler is not None and bool(scheduler.is_ckpt_step)
-        if due and ctx.validation_follows:
+        if scheduler is not None and scheduler.is_last_batch:
+            self._epoch_end_save = True
+        elif ctx.validation_follows:
             self._after_validation_save = True  # the checkpoint holds what this step's validation changes
-        elif due:
+        else:
             self._save(ctx)
+
+    def _due(self, ctx: nvtrain.TrainingContext, scheduler: Any) -> bool:
+        """Is the step just closed to be saved? A preemption always; otherwise a real step on the cadence."""
+        if scheduler is not None and scheduler.sigterm_received:
+            return True
+        if ctx.step_skipped:
+            return False
+        if self.step_interval is not None or self.epoch_interval is not None:
+            return self.step_interval is not None and ctx.step_count % self.step_interval == 0
+        return scheduler is not None and bool(scheduler.is_ckpt_step)
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
     def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
@@ -242,8 +269,13 @@ class CheckpointHook:
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
     def after_epoch(self, ctx: nvtrain.TrainingContext) -> None:
-        """``epoch_interval``: save once the epoch's end-of-epoch work (validation, AFTER_EPOCH hooks) is done."""
-        if self.epoch_interval is not None and (ctx.epoch + 1) % self.epoch_interval == 0:
+        """Save a due epoch-end step (or, with ``epoch_interval``, every N-th completed epoch) once the epoch's
+        end-of-epoch work (validation, epoch-interval LR schedules, the other AFTER_EPOCH hooks) is done."""
+        deferred, self._epoch_end_save = self._epoch_end_save, False
+        # the scheduler has moved to the next epoch only when this one's data was used up
+        completed = ctx.windowed and ctx.scheduler is not None and ctx.scheduler.epoch > ctx.epoch
+        on_interval = self.epoch_interval is not None and (ctx.epoch + 1) % self.epoch_interval == 0
+        if deferred or (completed and on_interval):
             self._save(ctx)
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
@@ -394,12 +426,15 @@ class CheckpointHook:
     def resume_checkpoint(self, rank: int = 0, world_size: int = 1) -> Path | None:
         """The checkpoint a run starting now resumes from, verified against its manifest; None for a fresh start.
 
-        ``resume="auto"`` takes the newest intact checkpoint: one that is incomplete
-        (no manifest) or corrupt (size or sha256 differ) is passed over with a warning
-        naming it and the one used instead; when checkpoints exist but none is intact,
-        :class:`~nvtrain_checkpoint.CheckpointError`. An explicit path must be intact
-        (CheckpointError naming the file otherwise). Decided once per hook: a second
-        call returns the first answer without reading the disk again.
+        ``resume="auto"`` takes the checkpoint ``latest`` names, or when that one is
+        missing or broken the highest intact step: one that is incomplete (no manifest)
+        or corrupt (size or sha256 differ) is passed over with a warning naming it and
+        the one used instead; when ``step_<N>`` directories exist but none is intact,
+        :class:`~nvtrain_checkpoint.CheckpointError` naming them. An explicit path must
+        be intact (CheckpointError naming the file otherwise). The answer is kept for the
+        run about to start (``nvtrain train`` asks before it, and the run's BEFORE_TRAINING
+        gets the same answer without reading the disk again); that run consumes it, so a
+        later run with this hook decides afresh.
         """
         if self._resume_choice is not None and self._resume_choice[0] == (self.resume, rank, world_size):
             return self._resume_choice[1]
@@ -438,18 +473,22 @@ def _loss_is_finite(ctx: nvtrain.TrainingContext) -> bool | None:
 
 
 def _newest_intact(root: Path, *, warn: bool) -> Path | None:
-    """The newest checkpoint under ``root`` that passes verification; warn about newer ones that do not."""
+    """The checkpoint to resume from under ``root``: the one ``latest`` names, else the highest step, that
+    passes verification; warn about newer ones that do not.
+
+    The pointer wins over a higher complete step it does not name (a kill between publishing that
+    step and writing ``latest``). ``step_<N>`` directories with none of them intact (corrupt, or
+    without a manifest) raise a CheckpointError naming them: a resume never silently starts afresh.
+    """
     complete = storage.list_checkpoints(root)
     pointed = storage.latest_checkpoint(root)
     order = [info.path for info in reversed(complete)]
     if pointed is not None and pointed in order:  # the pointer wins over a higher step it does not name
         order.remove(pointed)
         order.insert(0, pointed)
-    skipped: list[str] = []
     newest_step = complete[-1].step if complete else -1
-    for incomplete in storage.incomplete_checkpoints(root):
-        if incomplete.step > newest_step:
-            skipped.append(f"{incomplete.path} is incomplete (no {storage.MANIFEST_NAME})")
+    incomplete = storage.incomplete_checkpoints(root)
+    skipped = [_no_manifest(info.path) for info in incomplete if info.step > newest_step]
     chosen = None
     for path in order:
         try:
@@ -459,14 +498,19 @@ def _newest_intact(root: Path, *, warn: bool) -> Path | None:
             continue
         chosen = path
         break
-    if chosen is None and order:
+    if chosen is None and (order or incomplete):
+        older = [_no_manifest(info.path) for info in incomplete if info.step <= newest_step]
         raise storage.CheckpointError(
-            f"no intact checkpoint in {root} to resume from: " + "; ".join(skipped)
+            f"no intact checkpoint in {root} to resume from: " + "; ".join(skipped + older)
             + " (delete the broken ones, or set resume: never to start afresh)"
         )
     if skipped and chosen is not None and warn:
         logger.warning("resume: passing over %s; resuming from %s instead", "; ".join(skipped), chosen)
     return chosen
+
+
+def _no_manifest(path: Path) -> str:
+    return f"{path} is incomplete (no {storage.MANIFEST_NAME})"
 
 
 @functools.cache

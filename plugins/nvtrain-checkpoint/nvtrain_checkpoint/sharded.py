@@ -49,6 +49,7 @@ from nvtrain.state import (
     checkpointable_hooks,
     load_state,
     strategy_hooks,
+    without_data_position,
 )
 from nvtrain.validators import FieldValueError
 from nvtrain_checkpoint import storage
@@ -354,8 +355,8 @@ def load_sharded(
     The data position (the step scheduler's state) carries over to another number of
     ranks when the epochs are read through a DistributedSampler and the global batch
     size is the same (:mod:`nvtrain.data_resharding`); otherwise the step scheduler
-    refuses it, and ``data_position=False`` leaves it out (the run then starts the saved
-    epoch's data from its beginning).
+    refuses it, and ``data_position=False`` leaves it out (the run then starts the epoch
+    the checkpoint would continue from its beginning: :func:`nvtrain.state.without_data_position`).
     """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -367,7 +368,7 @@ def load_sharded(
     except (TypeError, ValueError) as err:
         raise storage.CheckpointError(str(err)) from None
     if not data_position:
-        rest["scheduler"] = None
+        rest = without_data_position(rest)
     for kind, live in (("models", ctx.models), ("optimizers", ctx.optimizers)):
         if set(rest[kind]) != set(live):
             raise ResumeError(

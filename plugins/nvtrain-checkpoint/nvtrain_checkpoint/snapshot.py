@@ -3,9 +3,9 @@
 A snapshot is taken on the training thread at the save point, so it holds exactly
 one step's state however long the write takes afterwards. Every tensor is copied
 to host memory (shared tensors stay shared; a synchronous save, which writes before
-training goes on, keeps host tensors as they are); containers are copied; anything that
-``torch.load(weights_only=True)`` would refuse is refused here, at save time, with
-the path of the offending value.
+training goes on, keeps host tensors that are all of their storage as they are);
+containers are copied; anything that ``torch.load(weights_only=True)`` would refuse
+is refused here, at save time, with the path of the offending value.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ def snapshot(state: Any, label: str = "state", reuse: Any = None, *, copy_host: 
     asynchronous copies and one synchronisation at the end.
 
     ``copy_host=False`` keeps tensors already in host memory as they are (still checked):
-    for a synchronous save, which writes them before training can change them.
+    for a synchronous save, which writes them before training can change them. A view of a
+    larger storage is copied even then, so that the file holds only its own bytes, as a
+    background save's does.
 
     :raises TypeError: for a value no weights-only load can read back, naming where it sits.
     """
@@ -97,7 +99,7 @@ class Copier:
     def take(self, source: torch.Tensor, previous: Any) -> Any:
         """What stands for ``source`` (already checked) in the snapshot: its copy, or itself."""
         on_host = source.device.type == "cpu"
-        if on_host and not self.copy_host:
+        if on_host and not self.copy_host and _covers_its_storage(source):
             return source
         if not on_host:
             self.devices.add(source.device)
@@ -124,6 +126,12 @@ class Copier:
             and previous.stride() == source.stride()
             and (on_host or previous.is_pinned())
         )
+
+
+def _covers_its_storage(tensor: torch.Tensor) -> bool:
+    """Is ``tensor`` all of its storage? ``torch.save`` writes a tensor's whole storage, so a view (a slice
+    of a larger tensor) kept as it is would write more bytes than the compact copy a background save writes."""
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
 def _refused(value: Any, path: str) -> TypeError:

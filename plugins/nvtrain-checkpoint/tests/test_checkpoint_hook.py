@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import shutil
 import signal
 import threading
 import time
@@ -13,7 +16,7 @@ from typing import Any
 import nvtrain_checkpoint.hook as hook_module
 import pytest
 import torch
-from nvtrain_checkpoint import CheckpointHook, list_checkpoints, read_checkpoint, storage
+from nvtrain_checkpoint import CheckpointError, CheckpointHook, list_checkpoints, read_checkpoint, storage
 
 import nvtrain
 from nvtrain import TrainingStage
@@ -163,6 +166,95 @@ def test_an_epoch_interval_checkpoint_resumes_at_the_next_epoch(driver: ModuleTy
     assert strategy.ctx.epoch == 2
 
 
+class _Saves:
+    """The steps written to disk, each with the stage the run was in."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ctx: nvtrain.TrainingContext | None = None
+        self.saves: list[tuple[int, TrainingStage]] = []
+        original = storage.save_checkpoint
+
+        def recording(root: Any, step: int, *args: Any, **kwargs: Any) -> Path:
+            assert self.ctx is not None
+            self.saves.append((step, self.ctx.stage))
+            return original(root, step, *args, **kwargs)
+
+        monkeypatch.setattr(storage, "save_checkpoint", recording)
+
+    @nvtrain.hookimpl
+    def before_training(self, ctx: nvtrain.TrainingContext) -> None:
+        self.ctx = ctx
+
+
+def test_epoch_interval_saves_completed_epochs_only(
+    driver: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An epoch cut short (max_steps mid-epoch) is no completed epoch: its steps are saved at the end of the run."""
+    watcher = _Saves(monkeypatch)
+    kwargs = driver.strategy_kwargs("plain", [watcher, CheckpointHook(tmp_path, epoch_interval=1)])
+    kwargs["step_scheduler"] = StepSchedulerConfig(
+        num_epochs=2, max_steps=13, ckpt_every_steps=None, validate_on_checkpoint=False
+    )
+    with nvtrain.TrainingStrategy(**kwargs) as strategy:
+        strategy.run(driver.make_loader("plain"))
+    assert watcher.saves == [(9, TrainingStage.AFTER_EPOCH), (13, TrainingStage.AFTER_TRAINING)]
+
+
+def _epoch_lr_kwargs(driver: ModuleType, hooks: list[object]) -> dict[str, Any]:
+    """Three epochs of "plain" whose LR halves at every epoch's end (an epoch-interval LR schedule)."""
+    kwargs = driver.strategy_kwargs("plain", hooks)
+    kwargs["lr_schedulers"] = nvtrain.LRSchedule(
+        functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5), interval="epoch"
+    )
+    kwargs["step_scheduler"] = StepSchedulerConfig(num_epochs=3, ckpt_every_steps=None, validate_on_checkpoint=False)
+    return kwargs
+
+
+def _epoch_lr_straight(driver: ModuleType, hooks: list[object]) -> tuple[nvtrain.TrainingStrategy, dict[str, Any]]:
+    recorder = driver.LossRecorder()
+    torch.manual_seed(1)
+    with nvtrain.TrainingStrategy(**_epoch_lr_kwargs(driver, [*hooks, recorder])) as strategy:
+        strategy.run(driver.make_loader("plain"))
+    return strategy, driver.summary(strategy, recorder)
+
+
+def _assert_finishes_like(driver: ModuleType, reference: dict[str, Any], resumed: dict[str, Any]) -> None:
+    for key in ("params", "optimizer", "lr_scheduler", "counters"):  # the optimizer's param groups hold the LR
+        driver.assert_same(reference[key], resumed[key], key)
+
+
+@pytest.mark.parametrize("how", ["load_checkpoint", "load_into", "auto"])
+def test_a_checkpoint_at_an_epoch_end_is_written_after_the_epochs_lr_step(
+    driver: ModuleType, tmp_path: Path, how: str
+) -> None:
+    """An epoch-interval LR schedule steps after the epoch's last batch (and its validation); the checkpoint of
+    that step is written after it, so the resumed run starts the next epoch at the LR a straight run has."""
+    straight, reference = _epoch_lr_straight(driver, [CheckpointHook(tmp_path / "a")])  # default: epoch ends
+    assert _saved(tmp_path / "a") == [9, 18, 27]
+    step_9 = tmp_path / "a" / "step_9"
+    assert read_checkpoint(step_9)["lr_schedulers"]["main"]["last_epoch"] == 1  # epoch 1's step taken
+    recorder, loader = driver.LossRecorder(), driver.make_loader("plain")
+    if how == "load_checkpoint":
+        strategy = nvtrain.TrainingStrategy.load_checkpoint(step_9, **_epoch_lr_kwargs(driver, [recorder]))
+    elif how == "load_into":
+        hook = CheckpointHook(tmp_path / "b")
+        strategy = nvtrain.TrainingStrategy(**_epoch_lr_kwargs(driver, [hook, recorder]))
+        strategy.setup(loader)
+        hook.load_into(strategy, step_9)
+    else:
+        shutil.copytree(step_9, tmp_path / "b" / "step_9")
+        strategy = nvtrain.TrainingStrategy(
+            **_epoch_lr_kwargs(driver, [CheckpointHook(tmp_path / "b", resume="auto"), recorder])
+        )
+    with strategy:
+        strategy.run(loader)
+    assert recorder.losses[0][0] == 10
+    driver.assert_same([entry for entry in reference["losses"] if entry[0] > 9], recorder.losses)
+    _assert_finishes_like(driver, reference, driver.summary(strategy, recorder))
+    lr = strategy.ctx.optimizers["main"].param_groups[0]["lr"]
+    assert lr == straight.ctx.optimizers["main"].param_groups[0]["lr"] == 0.01 * 0.5**3
+
+
 class _VetoBatches(nvtrain.TrainingUpdateHook):
     """Vetoes the optimizer step of the given 0-based micro-batches."""
 
@@ -231,6 +323,27 @@ def test_preemption_saves_even_when_the_step_was_skipped(driver: ModuleType, tmp
     driver.assert_same(reference["params"], driver.summary(resumed, again)["params"])
 
 
+def test_a_preemption_at_an_epoch_end_is_saved_after_the_epochs_lr_step(
+    driver: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal agreed at an epoch's last step: the epoch-end work runs (its LR step), then the checkpoint."""
+    _, reference = _epoch_lr_straight(driver, [])
+    watcher, first = _Saves(monkeypatch), driver.LossRecorder()
+    torch.manual_seed(1)
+    hooks = [_SigtermAt(8), watcher, CheckpointHook(tmp_path, resume="auto"), first]  # agreed at step 9's boundary
+    with nvtrain.TrainingStrategy(**_epoch_lr_kwargs(driver, hooks)) as strategy:
+        result = strategy.run(driver.make_loader("plain"))
+    assert result.preempted and result.step_count == 9
+    assert watcher.saves == [(9, TrainingStage.AFTER_EPOCH)]
+    assert read_checkpoint(tmp_path)["lr_schedulers"]["main"]["last_epoch"] == 1
+    again = driver.LossRecorder()
+    resumed = nvtrain.TrainingStrategy(**_epoch_lr_kwargs(driver, [CheckpointHook(tmp_path, resume="auto"), again]))
+    with resumed:
+        resumed.run(driver.make_loader("plain"))
+    driver.assert_same(reference["losses"], first.losses + again.losses)
+    _assert_finishes_like(driver, reference, driver.summary(resumed, again))
+
+
 # -- async saving --------------------------------------------------------------------------------------
 
 
@@ -238,13 +351,39 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+class _ViewState:
+    """A checkpointable hook whose state holds views of a larger tensor, as running buffers often do."""
+
+    plugin_name = "view_state"
+
+    def __init__(self) -> None:
+        self.big = torch.arange(1000, dtype=torch.float32)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"head": self.big[:4], "tail": self.big[-4:]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.big[:4].copy_(state["head"])
+        self.big[-4:].copy_(state["tail"])
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        self.big.add_(1)
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["plain", "views"])
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_async_and_sync_saves_write_identical_files(
-    driver: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+    driver: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str, views: bool
 ) -> None:
     """Training moves on (and changes the live tensors) while a background save writes; what it writes is
-    still, byte for byte, what a synchronous save of the same step writes."""
-    driver.straight("plain", [CheckpointHook(tmp_path / "sync", step_interval=2)])
+    still, byte for byte, what a synchronous save of the same step writes. Also when hook state holds views
+    of a larger tensor: every save writes only the views' own bytes."""
+
+    def extra() -> list[object]:
+        return [_ViewState()] if views else []
+
+    driver.straight("plain", [*extra(), CheckpointHook(tmp_path / "sync", step_interval=2)])
     events: list[tuple[str, int]] = []
     original = storage.save_checkpoint
 
@@ -257,7 +396,7 @@ def test_async_and_sync_saves_write_identical_files(
 
     monkeypatch.setattr(storage, "save_checkpoint", slow)  # in this process: seen by the thread writer only
     hook = CheckpointHook(tmp_path / "async", step_interval=2, async_save=True, async_writer=writer)
-    driver.straight("plain", [hook])
+    driver.straight("plain", [*extra(), hook])
     sync, written = _files(tmp_path / "sync"), _files(tmp_path / "async")
     assert sorted(sync) == sorted(written) and len(sync) == 9 * 2 + 1
     for name in sync:
@@ -402,6 +541,112 @@ def test_resume_never_warns_about_existing_checkpoints(driver: ModuleType, tmp_p
     driver.straight("plain", [CheckpointHook(tmp_path)])
     with pytest.warns(UserWarning, match=r"already holds checkpoints and resume='never'"):
         driver.straight("plain", [CheckpointHook(tmp_path)])
+
+
+@pytest.mark.parametrize("damage", ["every_manifest_lost", "only_an_empty_step_directory"])
+def test_auto_resume_over_only_incomplete_checkpoints_refuses_naming_them(
+    driver: ModuleType, tmp_path: Path, damage: str
+) -> None:
+    """``step_<N>`` directories none of which is intact are a damaged history, not an empty one: the resume
+    stops with a CheckpointError naming them rather than silently training from step 0."""
+    if damage == "every_manifest_lost":
+        driver.straight("plain", [CheckpointHook(tmp_path, step_interval=6)])
+        for step in (6, 12, 18):
+            (tmp_path / f"step_{step}" / storage.MANIFEST_NAME).unlink()
+        broken = [6, 12, 18]
+    else:
+        (tmp_path / "step_30").mkdir()
+        broken = [30]
+    named = "; ".join(re.escape(f"{tmp_path / f'step_{step}'} is incomplete (no manifest.json)") for step in broken)
+    pattern = rf"no intact checkpoint in {re.escape(str(tmp_path))} to resume from: {named} \(delete the broken ones"
+    with pytest.raises(CheckpointError, match=pattern):
+        CheckpointHook(tmp_path, resume="auto").resume_checkpoint()
+    recorder = driver.LossRecorder()
+    strategy = nvtrain.TrainingStrategy(
+        **driver.strategy_kwargs("plain", [CheckpointHook(tmp_path, resume="auto", step_interval=6), recorder])
+    )
+    with pytest.raises(CheckpointError, match=pattern), strategy:
+        strategy.run(driver.make_loader("plain"))
+    assert recorder.losses == [] and _saved(tmp_path) == []  # nothing trained, nothing written
+
+
+def test_auto_resume_over_only_an_unfinished_save_starts_fresh(tmp_path: Path) -> None:
+    """A ``.tmp-`` directory is a save a kill interrupted before it was published: no checkpoint at all."""
+    (tmp_path / ".tmp-step_3-3f2a").mkdir()
+    assert CheckpointHook(tmp_path, resume="auto").resume_checkpoint() is None
+
+
+def test_load_into_without_the_data_position_goes_on_with_the_next_epoch(driver: ModuleType, tmp_path: Path) -> None:
+    """A checkpoint of an epoch's last step, loaded without its data position (as on another number of ranks),
+    starts the next epoch from its first micro-batch; the finished epoch is not trained again. That is where
+    the position pointed anyway, so the run finishes as a straight one."""
+    reference = driver.straight("plain", [CheckpointHook(tmp_path / "a")])  # step_9 ends epoch 1 of 2
+    hook, recorder, loader = CheckpointHook(tmp_path / "b"), driver.LossRecorder(), driver.make_loader("plain")
+    strategy = nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", [hook, recorder]))
+    strategy.setup(loader)
+    step_9 = tmp_path / "a" / "step_9"
+    assert hook.load_into(strategy, step_9, data_position=False) == step_9
+    ctx = strategy.ctx
+    assert (ctx.step_count, ctx.epoch, ctx.epoch_step_count) == (9, 1, 0)  # the next epoch, at its start
+    with strategy:
+        result = strategy.run(loader)
+    assert [entry[0] for entry in recorder.losses] == list(range(10, 19))
+    assert (result.step_count, result.batch_count, result.epoch) == (18, 18, 2)
+    driver.assert_same([entry for entry in reference["losses"] if entry[0] > 9], recorder.losses)
+    resumed = driver.summary(strategy, recorder)
+    for key in ("params", "optimizer", "counters"):
+        driver.assert_same(reference[key], resumed[key], key)
+
+
+class _CrashOnceAt:
+    """Fails the run once, at AFTER_BATCH of the given step: a transient error a retry loop gets past."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.crashed = step, False
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.step_count == self.step and not self.crashed:
+            self.crashed = True
+            raise RuntimeError(f"transient failure at step {self.step}")
+
+
+def test_a_reused_auto_resume_hook_resumes_from_what_the_failed_attempt_saved(
+    driver: ModuleType, tmp_path: Path
+) -> None:
+    """A retry loop hands the same hook to a new strategy: the run takes the checkpoint on disk now, not the
+    answer the hook gave before the first attempt."""
+    reference = driver.straight("plain")
+    hook, crash = CheckpointHook(tmp_path, resume="auto", step_interval=5), _CrashOnceAt(7)
+    assert hook.resume_checkpoint() is None  # asked before the first run, as `nvtrain train` does
+    torch.manual_seed(1)
+    first = nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", [crash, hook]))
+    with pytest.raises(RuntimeError, match="transient failure at step 7"), first:
+        first.run(driver.make_loader("plain"))
+    assert _saved(tmp_path) == [5]
+    recorder = driver.LossRecorder()
+    with nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", [crash, hook, recorder])) as second:
+        second.run(driver.make_loader("plain"))
+    assert recorder.losses[0][0] == 6
+    driver.assert_same(reference["params"], driver.summary(second, recorder)["params"])
+
+
+def test_a_run_that_was_restored_already_consumes_the_resume_choice(driver: ModuleType, tmp_path: Path) -> None:
+    """A run that starts restored (load_checkpoint) does not resume, and still uses up the hook's earlier
+    answer: the next run with the hook finds what that run saved."""
+    driver.straight("plain", [CheckpointHook(tmp_path / "a", step_interval=5)])
+    hook = CheckpointHook(tmp_path / "b", resume="auto")
+    assert hook.resume_checkpoint() is None  # nothing in tmp_path / "b" yet
+    restored = nvtrain.TrainingStrategy.load_checkpoint(
+        tmp_path / "a" / "step_5", **driver.strategy_kwargs("plain", [hook])
+    )
+    with restored:
+        restored.run(driver.make_loader("plain"))  # from step 5: saves the epoch ends into tmp_path / "b"
+    assert _saved(tmp_path / "b") == [9, 18]
+    recorder = driver.LossRecorder()
+    with nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", [hook, recorder])) as again:
+        result = again.run(driver.make_loader("plain"))
+    assert recorder.losses == [] and result.step_count == 18  # resumed from step_18: nothing left to train
 
 
 def test_load_checkpoint_restores_hooks_passed_again(driver: ModuleType, tmp_path: Path) -> None:

@@ -174,6 +174,24 @@ def test_one_process_loads_the_two_rank_checkpoint_resharded(
     driver.assert_same(results(saved / "save")[0]["snapshots"][4], loaded)
 
 
+def test_without_the_data_position_a_sharded_epoch_end_goes_on_with_the_next_epoch(
+    saved: Path, tmp_path: Path
+) -> None:
+    """step_8 ends the two-rank job's only epoch: loaded without its data position in one process, the run
+    continues after that epoch (here: nothing is left to train) instead of training it again."""
+    worker = _worker()
+    step_8 = saved / "save" / "checkpoints" / "step_8"
+    hook, ema = CheckpointHook(tmp_path), worker.EMAHook(decay=0.5)
+    with worker.make_strategy(hook, ema, worker.Record(ema, ())) as strategy:
+        loader = worker.make_loader(1)
+        strategy.setup(loader)
+        assert hook.load_into(strategy, step_8, data_position=False) == step_8
+        ctx = strategy.ctx
+        assert (ctx.step_count, ctx.epoch, ctx.epoch_step_count) == (8, 1, 0)
+        result = strategy.run(loader)
+    assert (result.step_count, result.batch_count, result.epoch) == (8, 8, 1)
+
+
 # -- SIGKILL during a sharded save ---------------------------------------------------------------------------
 
 #: fault point -> complete checkpoints the killed job leaves, and whether a temporary directory remains

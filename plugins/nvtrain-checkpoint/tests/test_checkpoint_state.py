@@ -165,6 +165,38 @@ def test_a_snapshot_for_a_synchronous_save_keeps_host_tensors_and_still_checks_t
         snapshot({"bad": [1, object()]}, copy_host=False)
 
 
+def test_a_snapshot_for_a_synchronous_save_compacts_views_of_a_larger_storage() -> None:
+    """torch.save writes a tensor's whole storage: a view kept as it is would write all of ``big``."""
+    big = torch.arange(1000, dtype=torch.float32)
+    whole, strided = torch.arange(4.0), torch.arange(12.0).reshape(3, 4).t()  # all of their storage
+    kept = snapshot({"head": big[:4], "tail": big[-4:], "whole": whole, "strided": strided}, copy_host=False)
+    for key, live in (("whole", whole), ("strided", strided)):  # the common case: no copy
+        assert kept[key].data_ptr() == live.data_ptr() and kept[key].stride() == live.stride()
+    for key, view in (("head", big[:4]), ("tail", big[-4:])):
+        copy = kept[key]
+        assert copy.data_ptr() != view.data_ptr() and torch.equal(copy, view)
+        assert copy.storage_offset() == 0 and copy.untyped_storage().nbytes() == 4 * copy.element_size()
+
+
+def test_without_data_position_continues_the_epoch_the_scheduler_state_names() -> None:
+    """A state saved at an epoch's last step points at the next epoch: that one starts, not the finished one."""
+    loader_state = {"num_workers": 0, "state": {"_num_yielded": 3}}
+    state = {
+        "counters": {"step_count": 9, "global_step_count": 9, "batch_count": 9, "epoch": 0, "epoch_step_count": 9},
+        "scheduler": {"step": 9, "epoch": 1, "position": 0},
+        "rng": {"torch": torch.get_rng_state()},
+        "rng_by_rank": [{"torch": torch.get_rng_state(), "loader": loader_state}],
+    }
+    stripped = nvtrain.state.without_data_position(state)
+    assert stripped["scheduler"] is None
+    assert stripped["counters"] == {**state["counters"], "epoch": 1, "epoch_step_count": 0}
+    assert [sorted(rng) for rng in stripped["rng_by_rank"]] == [["torch"]]  # a loader's own position goes too
+    assert state["counters"]["epoch"] == 0 and "loader" in state["rng_by_rank"][0]  # the input is left alone
+    mid_epoch = {**state, "counters": {**state["counters"], "epoch_step_count": 4}, "scheduler": None}
+    restarted = nvtrain.state.without_data_position(mid_epoch)["counters"]
+    assert restarted == {**mid_epoch["counters"], "epoch_step_count": 0}  # the saved epoch, from its start
+
+
 def test_a_snapshot_does_not_follow_later_changes_of_lists_of_numbers() -> None:
     live = {"counts": [1, 2, 3], "nested": ([4, 5], 6)}
     copied = snapshot(live)
