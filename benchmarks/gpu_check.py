@@ -70,6 +70,7 @@ import torch
 import nvtrain
 from nvtrain import plugins
 from nvtrain.hooks import GradientClippingHook
+from nvtrain.state import strategy_hooks
 
 from harness import (
     TINY_MLP,
@@ -215,9 +216,13 @@ def hand_written_stack(
 
 
 class _SaveStopwatch:
-    """Times CheckpointHook's AFTER_BATCH / AFTER_TRAINING from just before it (PRIORITY_LAST - 1) to just after.
+    """Times CheckpointHook's save of a due step, from just before the hook (PRIORITY_LAST - 1) to just after.
 
-    On save steps the device queue is drained before the clock starts, as in the hand-written loop.
+    The save of a step happens at its AFTER_BATCH, or at the AFTER_VALIDATION / AFTER_EPOCH that
+    follows it (a step whose validation follows, or that ends its epoch); each of those stages is
+    timed while the step is unsaved, and the one in which the hook's ``last_checkpoint_index``
+    moved is logged. On save stages the device queue is drained before the clock starts, as in
+    the hand-written loop.
     """
 
     plugin_name = "gpu_check_save_stopwatch"
@@ -225,20 +230,45 @@ class _SaveStopwatch:
     def __init__(self, device: torch.device, every: int, log: SaveLog) -> None:
         self.device, self.every, self.log = device, every, log
         self.started: int | None = None
+        self.pending = False
+        self.index_before: int | None = None
         self.stop = _StopwatchEnd(self)
 
     def due(self, ctx: nvtrain.TrainingContext) -> bool:
         return bool(ctx.sync_gradients) and not ctx.step_skipped and ctx.step_count % self.every == 0
 
+    def checkpoint_index(self, ctx: nvtrain.TrainingContext) -> int | None:
+        for hook in strategy_hooks(ctx.strategy):  # type: ignore[arg-type]
+            if hasattr(hook, "last_checkpoint_index"):
+                return hook.last_checkpoint_index  # type: ignore[no-any-return]
+        return None
+
+    def start(self, ctx: nvtrain.TrainingContext) -> None:
+        _drain(self.device)
+        self.index_before = self.checkpoint_index(ctx)
+        self.started = time.perf_counter_ns()
+
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST - 1)
     def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
         self.started = None
         if ctx.windowed and self.due(ctx):
-            _drain(self.device)
-            self.started = time.perf_counter_ns()
+            self.pending = True
+        if self.pending:
+            self.start(ctx)
+
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST - 1)
+    def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
+        if self.pending:
+            self.start(ctx)
+
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST - 1)
+    def after_epoch(self, ctx: nvtrain.TrainingContext) -> None:
+        if self.pending:
+            self.start(ctx)
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST - 1)
     def after_training(self, ctx: nvtrain.TrainingContext) -> None:
+        self.pending = False
         _drain(self.device)
         self.started = time.perf_counter_ns()
 
@@ -249,11 +279,27 @@ class _StopwatchEnd:
     def __init__(self, start: _SaveStopwatch) -> None:
         self.start = start
 
+    def _stop_if_saved(self, ctx: nvtrain.TrainingContext) -> None:
+        start = self.start
+        if start.started is None:
+            return
+        elapsed = time.perf_counter_ns() - start.started
+        start.started = None
+        if start.checkpoint_index(ctx) != start.index_before:  # the save happened in this stage
+            start.log.blocked_ns.append(elapsed)
+            start.pending = False
+
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST + 1)
     def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
-        if self.start.started is not None:
-            self.start.log.blocked_ns.append(time.perf_counter_ns() - self.start.started)
-            self.start.started = None
+        self._stop_if_saved(ctx)
+
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST + 1)
+    def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
+        self._stop_if_saved(ctx)
+
+    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST + 1)
+    def after_epoch(self, ctx: nvtrain.TrainingContext) -> None:
+        self._stop_if_saved(ctx)
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST + 1)
     def after_training(self, ctx: nvtrain.TrainingContext) -> None:

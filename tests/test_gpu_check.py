@@ -7,11 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+
+import nvtrain
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -70,6 +73,44 @@ def test_durable_save_leaves_only_the_published_file(gpu_check: ModuleType, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("batches_per_epoch", [4, 6])
+def test_the_save_stopwatch_times_a_save_wherever_the_hook_writes_it(
+    gpu_check: ModuleType, tmp_path: Path, batches_per_epoch: int
+) -> None:
+    """A due step that ends its epoch is saved at AFTER_EPOCH: that stage is timed, not an empty AFTER_BATCH."""
+    from nvtrain_checkpoint import CheckpointHook
+
+    log = gpu_check.SaveLog()
+    stopwatch = gpu_check._SaveStopwatch(torch.device("cpu"), 2, log)
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(2, 1),
+        optimizers=lambda params: torch.optim.SGD(params, lr=0.1),
+        loss_fn=torch.nn.functional.mse_loss,
+        hooks=[CheckpointHook(tmp_path, step_interval=2), stopwatch, stopwatch.stop],
+        device="cpu",
+        num_epochs=2,
+    )
+    saved_at: list[str] = []
+    took_ns: list[int] = []
+    real_save = CheckpointHook._save
+
+    def save(self: CheckpointHook, ctx: nvtrain.TrainingContext) -> None:
+        saved_at.append(ctx.stage.name)
+        start = time.perf_counter_ns()
+        real_save(self, ctx)
+        took_ns.append(time.perf_counter_ns() - start)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CheckpointHook, "_save", save)
+        strategy.run([(torch.ones(3, 2), torch.zeros(3, 1))] * batches_per_epoch)
+    due_saves = [stage for stage in saved_at if stage != "AFTER_TRAINING"]
+    assert "AFTER_EPOCH" in due_saves
+    assert len(log.blocked_ns) == len(due_saves) == 2 * batches_per_epoch // 2
+    for elapsed, save_ns in zip(log.blocked_ns, took_ns, strict=False):  # each timed stage held its save
+        assert elapsed >= save_ns
+    assert not stopwatch.pending
+
+
 def test_cpu_smoke_run_reports_loop_and_checkpoint_cost_apart(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     process = run_script("--device", "cpu", "--model", "tiny", "--steps", "20", "--json-out", str(out))
