@@ -57,7 +57,7 @@ class _StepWatcher:
 class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     """Runs the forward and loss under autocast and, for fp16, scales the loss with GradScaler.
 
-    ``precision`` is required: ``torch.float32`` (no autocast, no scaler),
+    ``precision`` (default ``"auto"``): ``torch.float32`` (no autocast, no scaler),
     ``torch.bfloat16`` (autocast, no scaler), ``torch.float16`` (autocast and a
     GradScaler), as dtypes, as ``"float32"``/``"bfloat16"``/``"float16"`` or as
     ``"fp32"``/``"bf16"``/``"fp16"``; ``"auto"`` picks bf16 on CUDA and fp32
@@ -80,8 +80,8 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     )
     vetoes = frozenset()
 
-    precision: Precision = attrs.field(converter=as_precision, validator=precision_validator)
-    init_scale: float = attrs.field(default=2.0**16, validator=number_above(0))
+    precision: Precision = attrs.field(default=AUTO, converter=as_precision, validator=precision_validator)
+    init_scale: float = attrs.field(default=2.0**16, validator=number_above(0, finite=True))
     growth_factor: float = attrs.field(default=2.0, validator=number_above(1.0))
     backoff_factor: float = attrs.field(default=0.5, validator=float_in_range(0.0, 1.0))
     growth_interval: int = attrs.field(default=2000, validator=int_at_least(1))

@@ -234,15 +234,18 @@ def test_other_precisions_are_refused(bad: object) -> None:
         MixedPrecisionHook(precision=bad)
 
 
-def test_precision_is_required() -> None:
-    with pytest.raises(TypeError, match="precision"):
-        MixedPrecisionHook()  # type: ignore[call-arg]
+def test_precision_defaults_to_auto() -> None:
+    """``hooks: [amp]`` (docs/cli.md's example) needs no setting: bf16 on CUDA, fp32 on the CPU."""
+    hook = MixedPrecisionHook()
+    assert hook.precision == "auto" and hook.dtype is None
+    assert nvtrain.plugins.load("amp").precision == "auto"
 
 
 @pytest.mark.parametrize(
     ("field", "value", "expected"),
     [
         ("init_scale", 0.0, "> 0"),
+        ("init_scale", float("inf"), "finite number > 0"),
         ("growth_factor", 1.0, "> 1.0"),
         ("backoff_factor", 1.0, r"\(0.0, 1.0\)"),
         ("backoff_factor", 0.0, r"\(0.0, 1.0\)"),
