@@ -39,8 +39,8 @@ import torch
 
 from nvtrain.config import LoadedConfig, RunConfig, resolve_import_path
 from nvtrain.config.errors import field_of
-from nvtrain.errors import ResumeError
-from nvtrain.hook import AveragesWeights, SavesCheckpoints
+from nvtrain.errors import ResumeError, naming_file
+from nvtrain.hook import AccumulatesGradients, AveragesWeights, ProvidesAutocast, SavesCheckpoints
 from nvtrain.hookspecs import hookimpl
 from nvtrain.validators import FieldProblem
 
@@ -181,6 +181,13 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
         raise loaded.error(
             "use_ema is true but no EMA hook is configured (add `- ema` to hooks)", ("validation", "use_ema")
         )
+    if config.validation.use_mixed_precision is True and not any(isinstance(h, ProvidesAutocast) for h in hooks):
+        raise loaded.error(
+            "use_mixed_precision is true but no mixed-precision hook is configured "
+            "(add `- amp` to hooks, or set it to auto or false)",
+            ("validation", "use_mixed_precision"),
+        )
+    _check_monitors(loaded, metrics, hooks)
     if config.device != "auto" and torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
         raise loaded.error(f"device {config.device!r} asked for CUDA, which this machine does not have", ("device",))
     return Plan(
@@ -216,6 +223,50 @@ def _check_schedule(loaded: LoadedConfig, scheduler_cls: Any) -> None:
             f"{what}: interval 'epoch' does not apply (leave it out; validate every epoch to step it once per epoch)",
             ("lr_scheduler", "interval"),
         )
+
+
+def _validation_keys(metrics: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys of every validation summary of a run with these metrics (what a ``monitor`` may name)."""
+    return ("loss", *metrics, "num_samples")
+
+
+def _check_monitors(loaded: LoadedConfig, metrics: Mapping[str, Any], hooks: Sequence[object]) -> None:
+    """Refuse a ``monitor`` that names no key of the validation summary, before the first validation would.
+
+    The summary holds ``loss``, the configured metrics and ``num_samples``. The LR
+    scheduler steps before any hook sees it, so its check is exact; early stopping
+    reads it after other hooks' ``after_validation``, so its check is skipped when a
+    hook from outside nvtrain and its plugins could have added a key by then.
+    """
+    from nvtrain.hooks import EarlyStoppingHook
+
+    keys = _validation_keys(metrics)
+    section = loaded.config.lr_scheduler
+    if section is not None and section.monitor is not None and section.monitor not in keys:
+        raise loaded.error(_unknown_monitor(section.monitor, keys), ("lr_scheduler", "monitor"))
+    if any(_may_extend_summary(h) for h in hooks):
+        return
+    for index, hook in enumerate(hooks[: len(loaded.config.hooks)]):
+        if isinstance(hook, EarlyStoppingHook) and hook.monitor not in keys:
+            raise loaded.error(_unknown_monitor(hook.monitor, keys), ("hooks", index, "monitor"))
+
+
+def _may_extend_summary(hook: object) -> bool:
+    """A hook from outside nvtrain and its plugins with an ``after_validation``: it may add summary keys."""
+    package = type(hook).__module__.partition(".")[0]
+    return callable(getattr(hook, "after_validation", None)) and not (
+        package == "nvtrain" or package.startswith("nvtrain_")
+    )
+
+
+def _unknown_monitor(name: str, keys: Sequence[str]) -> str:
+    bare = re.sub(r"^val_(ema_)?", "", name)
+    close = [bare] if bare in keys else difflib.get_close_matches(name, keys, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return (
+        f"monitor {name!r} is not a key of the validation summary, which has: {', '.join(keys)}{hint} "
+        "(a metric must be listed in validation.metrics; the logs' val_ / val_ema_ prefix is not part of the key)"
+    )
 
 
 def _parameters(target: Any) -> Mapping[str, inspect.Parameter]:
@@ -472,11 +523,13 @@ def build(
             ("data",),
         )
     try:
-        run_length, run_epochs = _run_bounds(config, train_loader, world_size)
+        run_length, run_epochs = _run_bounds(config, train_loader, world_size, accumulation=_accumulation(plan))
     except ValueError as err:  # the step scheduler's own checks (global_batch_size a multiple of ...)
         raise loaded.error(str(err), ("trainer",)) from None
+    _check_accumulation(plan, train_loader, world_size)
     if plan.scheduler_total_steps:
         _check_horizon(plan, run_length, run_epochs)
+    _check_metric_schedule(plan, val_loader)
     # The optimizer and scheduler factories, tried once on the model's parameters (the strategy builds
     # the real ones after SETUP, on the possibly wrapped model): their own checks run here.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -672,8 +725,15 @@ class _Share:
         return self.batches
 
 
+def _accumulation(plan: Plan) -> int:
+    """Micro-batches per optimizer step an accumulation hook sets (1 without one): what the strategy
+    takes as the window when ``trainer.global_batch_size`` is left out."""
+    found = [h.accumulation_steps for h in plan.hooks if isinstance(h, AccumulatesGradients)]
+    return found[0] if found else 1
+
+
 def _run_bounds(
-    config: RunConfig, loader: Any, world: int, *, per_rank: bool = False
+    config: RunConfig, loader: Any, world: int, *, per_rank: bool = False, accumulation: int = 1
 ) -> tuple[int | None, int | None]:
     """The run's length in optimizer steps (absolute, like ``max_steps``) and in epochs, as the run's
     :class:`~nvtrain.StepScheduler` counts them (``total_steps``, ``num_epochs``); None where unknown
@@ -698,7 +758,7 @@ def _run_bounds(
             batches = math.ceil(batches / world)
         counted = _Share(batches)
     scheduler = trainer.create(
-        global_batch_size=trainer.global_batch_size or local * world,
+        global_batch_size=trainer.global_batch_size or local * world * accumulation,
         local_batch_size=local,
         dp_size=world,
         dataloader=counted,
@@ -707,6 +767,65 @@ def _run_bounds(
     )
     steps = scheduler.total_steps
     return (max(1, steps) if steps is not None else None), scheduler.num_epochs
+
+
+def _check_accumulation(plan: Plan, loader: Any, world: int) -> None:
+    """``trainer.global_batch_size`` and an accumulation hook's ``steps`` must agree, as the strategy
+    checks in ``run()``: refused here, before anything is written."""
+    gbs = plan.config.trainer.global_batch_size
+    found = [(i, h) for i, h in enumerate(plan.hooks) if isinstance(h, AccumulatesGradients)]
+    if gbs is None or not found:
+        return
+    index, hook = found[0]
+    size = getattr(loader, "batch_size", None)
+    local = size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else 1
+    steps = gbs // (local * world)
+    if hook.accumulation_steps == steps:
+        return
+    name = getattr(hook, "plugin_name", type(hook).__name__)
+    setting = ".steps" if hasattr(hook, "steps") else ""
+    where = f"hooks[{index}]{setting} ({name})" if index < len(plan.config.hooks) else f"the {name} hook"
+    raise plan.loaded.error(
+        f"global_batch_size={gbs} with a local batch size of {local} (the training loader's) and {world} "
+        f"process(es) means {steps} micro-batch(es) per optimizer step, but {where} accumulates over "
+        f"{hook.accumulation_steps}; drop one of them or make them agree",
+        ("trainer", "global_batch_size"),
+    )
+
+
+def _check_metric_schedule(plan: Plan, val_loader: Any) -> None:
+    """A plateau / ``monitor`` LR scheduler steps only after validations: refuse a run that never validates."""
+    section = plan.config.lr_scheduler
+    if section is None or plan.scheduler_factory is None:
+        return
+    target = getattr(plan.scheduler_factory, "func", plan.scheduler_factory)
+    plateau = isinstance(target, type) and issubclass(target, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if section.monitor is None and not plateau:
+        return
+    if val_loader is None:
+        why = f"{plan.config.data.factory} returns no validation loader"
+    elif not _validates(plan):
+        why = (
+            "no validation cadence is set (validation.every_n_steps and every_n_epochs are null, "
+            "and so is trainer.val_every_steps)"
+        )
+    else:
+        return
+    raise plan.loaded.error(
+        f"{section.factory} is stepped after each validation with validation value {section.monitor or 'loss'!r}, "
+        f"but the run never validates: {why}; validate, or use a step or epoch schedule",
+        ("lr_scheduler", "monitor"),
+    )
+
+
+def _validates(plan: Plan) -> bool:
+    """Whether some cadence validates during the run (given a validation loader)."""
+    section, trainer = plan.config.validation, plan.config.trainer
+    epochs = section.every_n_epochs
+    if epochs == "auto":
+        epochs = 1 if section.every_n_steps is None else None
+    on_checkpoint = trainer.validate_on_checkpoint and any(isinstance(h, SavesCheckpoints) for h in plan.hooks)
+    return bool(section.every_n_steps or epochs or trainer.val_every_steps or on_checkpoint)
 
 
 def _check_horizon(plan: Plan, steps: int | None, epochs: int | None) -> None:
@@ -804,7 +923,9 @@ def _scheduler_factory(plan: Plan, holder: Mapping[str, Any], fresh: dict[str, d
         horizon: dict[str, int] = {}
         if plan.scheduler_total_steps:
             ctx = holder["strategy"].ctx
-            steps, epochs = _run_bounds(plan.config, ctx.train_loader, ctx.world_size, per_rank=True)
+            steps, epochs = _run_bounds(
+                plan.config, ctx.train_loader, ctx.world_size, per_rank=True, accumulation=_accumulation(plan)
+            )
             horizon = _horizon(plan, steps, epochs)
         scheduler = _schedule(plan, horizon)(optimizer)
         fresh["main"] = copy.deepcopy(scheduler.state_dict())
@@ -1074,7 +1195,7 @@ def _finish(
 def _write_atomically(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
+        with naming_file(path), os.fdopen(fd, "w", encoding="utf-8") as file:
             file.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -51,6 +51,14 @@ __all__ = ["TRACE_ENV", "HookBus", "refuse_unmarked_stage_methods"]
 
 #: Set to 1 to trace every hook call through pluggy's monitoring (to stderr).
 TRACE_ENV = "NVTRAIN_TRACE"
+#: ``NVTRAIN_TRACE`` values that leave tracing off, as for ``NVTRAIN_DISABLE_PLUGIN_AUTOLOAD``.
+_TRACE_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
+def _trace_switch() -> bool:
+    """Whether ``NVTRAIN_TRACE`` asks for tracing: any value but empty, ``0``, ``false``, ``no``, ``off``."""
+    return os.environ.get(TRACE_ENV, "").strip().lower() not in _TRACE_OFF
+
 
 #: A compiled stage: results of the non-``firstresult`` stages are a list.
 StageCaller = Callable[["TrainingContext"], list[Any]]
@@ -248,7 +256,7 @@ class HookBus:
 
     def __init__(self, *, trace: bool | None = None) -> None:
         self._pm = _BusPluginManager(self._compile)
-        self._tracing = os.environ.get(TRACE_ENV, "") not in ("", "0") if trace is None else trace
+        self._tracing = _trace_switch() if trace is None else trace
         self._undo_tracing: Callable[[], None] | None = None
         self._compile()
         if self._tracing:

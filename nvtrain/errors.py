@@ -11,9 +11,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
-__all__ = ["ResumeError", "TrainingDivergedError", "disk_full"]
+__all__ = ["ResumeError", "TrainingDivergedError", "disk_full", "naming_file"]
 
 _DISK_FULL = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
 
@@ -49,3 +53,18 @@ class ResumeError(RuntimeError, ValueError):
 
     Also a ``ValueError``: code written before this class existed caught those.
     """
+
+
+@contextlib.contextmanager
+def naming_file(path: str | Path) -> Iterator[None]:
+    """Give an OSError raised inside that names no file (a write to an open file, a full disk), or names
+    the hidden temporary ``.<name>.*`` that is renamed to ``path``, ``path`` as its file name: the
+    one-line report of ``nvtrain train`` then says which file could not be written."""
+    path = Path(path)
+    try:
+        yield
+    except OSError as err:
+        temporary = err.filename is not None and Path(os.fsdecode(err.filename)).name.startswith(f".{path.name}.")
+        if err.filename is None or temporary:
+            err.filename = str(path)
+        raise

@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from nvtrain.batching import batch_size
+from nvtrain.errors import naming_file
 from nvtrain.hookspecs import hookimpl
 from nvtrain.validators import int_at_least, optional_int_at_least, satisfies
 
@@ -492,6 +493,10 @@ class CSVLoggerHook(_StepRecordLogger):
         self._reader = StepLogReader(self.log_every_n_steps)
 
     def _write(self, record: dict[str, float]) -> None:
+        with naming_file(self.path):  # a full disk is reported naming metrics.csv
+            self._append(record)
+
+    def _append(self, record: dict[str, float]) -> None:
         if self._file is None:
             self._open()
         new = [key for key in record if key not in self._columns]

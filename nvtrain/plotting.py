@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from nvtrain.errors import naming_file
+
 __all__ = ["PLOT_NAME", "plot_metrics", "read_metrics"]
 
 #: File name of the figure in a run directory.
@@ -99,8 +101,9 @@ def plot_metrics(csv_path: str | Path, output: str | Path | None = None, title: 
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".png", dir=output.parent)
     os.close(fd)
     try:
-        figure.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, output)
+        with naming_file(output):
+            figure.savefig(tmp, format="png", dpi=100)
+            os.replace(tmp, output)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

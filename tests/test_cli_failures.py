@@ -60,6 +60,11 @@ def nan_after(outputs, targets, step=[0]):
 def empty_loaders():
     data = TensorDataset(torch.zeros(0, 64), torch.zeros(0, dtype=torch.long))
     return DataLoader(data, batch_size=8), None
+
+
+def train_only():
+    data = TensorDataset(torch.zeros(16, 64), torch.zeros(16, dtype=torch.long))
+    return DataLoader(data, batch_size=8), None
 '''
 
 
@@ -117,6 +122,94 @@ def test_construction_errors_are_one_line_exit_2_and_write_nothing(
     assert err.startswith(f"nvtrain {command}: error: --set {override}: {where}: "), err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (job.parent / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("raise RuntimeError('boom at import')\n", "raised RuntimeError: boom at import"),
+        ("def build(:\n", "raised SyntaxError: "),
+        ("import sys\nsys.exit('no')\n", "raised SystemExit: no"),
+    ],
+)
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_user_module_that_raises_on_import_is_one_line_exit_2(
+    job: Path, capsys: pytest.CaptureFixture[str], command: str, source: str, message: str
+) -> None:
+    module = f"broken_{command}_{abs(hash(source))}"
+    (job.parent / f"{module}.py").write_text(source, encoding="utf-8")
+    override = f"model.factory={module}:build"
+    assert main([command, str(job), *sets(override, "model.kwargs={}")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"nvtrain {command}: error: --set {override}: model.factory: importing module {module!r}")
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (job.parent / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "where", "message"),
+    [
+        (
+            ["validation.use_mixed_precision=true"],
+            "validation.use_mixed_precision",
+            "use_mixed_precision is true but no mixed-precision hook is configured",
+        ),
+        (
+            ["lr_scheduler={factory: plateau, monitor: acuracy}", "validation.metrics=[accuracy]"],
+            "lr_scheduler.monitor",
+            "monitor 'acuracy' is not a key of the validation summary, which has: loss, accuracy, num_samples; "
+            "did you mean 'accuracy'?",
+        ),
+        (
+            ["hooks=[{name: early_stopping, monitor: val_accuracy}]", "validation.metrics=[accuracy]"],
+            "hooks[0].monitor",
+            "monitor 'val_accuracy' is not a key of the validation summary, which has: loss, accuracy, "
+            "num_samples; did you mean 'accuracy'?",
+        ),
+        (
+            ["trainer.global_batch_size=128", "hooks=[{name: accumulate, steps: 4}]"],
+            "trainer.global_batch_size",
+            "global_batch_size=128 with a local batch size of 64 (the training loader's) and 1 process(es) means 2 "
+            "micro-batch(es) per optimizer step, but hooks[0].steps (accumulate) accumulates over 4",
+        ),
+        (
+            ["lr_scheduler={factory: plateau}"],
+            "lr_scheduler.monitor",
+            "plateau is stepped after each validation with validation value 'loss', but the run never validates: "
+            "no validation cadence is set",
+        ),
+        (
+            ["lr_scheduler={factory: step, kwargs: {step_size: 2}, monitor: loss}", "validation.every_n_steps=2",
+             "data={factory: failure_helpers:train_only}"],
+            "lr_scheduler.monitor",
+            "but the run never validates: failure_helpers:train_only returns no validation loader",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_what_would_fail_at_the_first_validation_or_step_is_refused_up_front(
+    job: Path, capsys: pytest.CaptureFixture[str], command: str, overrides: list[str], where: str, message: str
+) -> None:
+    assert main([command, str(job), *sets(*overrides)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"nvtrain {command}: error: --set {overrides[0]}: {where}: "), err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (job.parent / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["lr_scheduler={factory: plateau, monitor: accuracy}", "validation={every_n_steps: 2, metrics: [accuracy]}"],
+        ["hooks=[{name: early_stopping, monitor: num_samples}]"],
+        ["trainer.global_batch_size=256", "hooks=[{name: accumulate, steps: 4}]"],
+        ["lr_scheduler={factory: plateau}", "validation.every_n_epochs=null", "trainer.val_every_steps=3"],
+    ],
+)
+def test_monitors_accumulation_and_cadences_that_agree_validate(
+    job: Path, capsys: pytest.CaptureFixture[str], overrides: list[str]
+) -> None:
+    assert main(["validate", str(job), *sets(*overrides)]) == EXIT_OK, capsys.readouterr().err
 
 
 def test_an_empty_training_loader_is_named(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -246,6 +339,36 @@ def test_a_full_disk_is_one_line_naming_the_checkpoint(
     assert len(errors) == 1 and "Traceback" not in err
     assert errors[0].startswith("nvtrain train: error: no space left on device")
     assert str(job.parent / "out" / "job" / "checkpoints" / "step_2") in errors[0]
+
+
+def _full_disk(*args: Any, **kwargs: Any) -> None:
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")  # as a write to an open file raises it: no file name
+
+
+@pytest.mark.parametrize(
+    ("target", "name", "overrides"),
+    [
+        ("csv.DictWriter.writerow", "metrics.csv", []),
+        ("matplotlib.figure.Figure.savefig", "curves.png", ["logging.plot=true"]),
+    ],
+)
+def test_a_full_disk_is_one_line_naming_the_run_file(
+    job: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    target: str,
+    name: str,
+    overrides: list[str],
+) -> None:
+    pytest.importorskip(target.partition(".")[0])
+    monkeypatch.setattr(target, _full_disk)
+    assert main(["train", str(job), *sets("trainer.max_steps=2", *overrides)]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("nvtrain train: error:")]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert errors[0] == f"nvtrain train: error: no space left on device writing {job.parent / 'out' / 'job' / name}"
 
 
 def test_an_allow_listed_plugin_that_is_missing_is_not_called_installed(

@@ -157,6 +157,25 @@ def test_bad_config_exits_2_with_one_line_and_writes_nothing(
     assert not (tmp_path / "out").exists() and not (tmp_path / "built.json").exists()
 
 
+def test_the_config_example_of_docs_cli_md_validates(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The short config docs/cli.md shows (``hooks: [amp, ema]``: amp's precision left to its default)."""
+    pytest.importorskip("nvtrain_amp")
+    pytest.importorskip("nvtrain_ema")
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "docs" / "cli.md").read_text(encoding="utf-8")
+    example = text.split("defaults (the reference below), so a config can be short:\n\n```yaml\n", 1)[1]
+    example = example.split("```", 1)[0]
+    assert "hooks: [amp, ema]" in example
+    (tmp_path / "my_model.py").write_text((repo / "examples" / "configs" / "my_model.py").read_text())
+    config = write(tmp_path / "my-job.yaml", example)
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", str(config)]) == 0, capsys.readouterr().err
+    assert "hooks: MixedPrecisionHook, EMAHook" in capsys.readouterr().out
+    assert not (tmp_path / "runs").exists()
+
+
 def test_validate_good_and_bad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = user_config(tmp_path, "factory_for_validate")
     assert main(["validate", str(config)]) == 0

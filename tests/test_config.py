@@ -159,6 +159,17 @@ def test_typo_in_set_points_at_the_argument() -> None:
     )
 
 
+def test_a_section_an_override_creates_is_located_at_the_argument(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL)
+    err = error_of(path, "hooks.ema.decay=0.9")
+    assert str(err) == "--set hooks.ema.decay=0.9: hooks: expected a list, got a mapping"
+    # a hook named in the file keeps its file location when an override adds a setting to it
+    path = write(tmp_path, MINIMAL + "hooks: [emma]\n", name="named.yaml")
+    loaded = load_config(path, ["hooks.0.decay=0.9"])
+    assert loaded.locate(("hooks", 0)) == f"{path}:5:9"
+    assert loaded.locate(("hooks", 0, "decay")) == "--set hooks.0.decay=0.9"
+
+
 @pytest.mark.parametrize(
     ("override", "path", "message"),
     [

@@ -289,6 +289,20 @@ def test_broken_plugins_are_reported_and_the_others_still_listed(broken: dict[st
     assert "declares __nvtrain_hooks__ = ()" in infos["fake-empty-hooks"].error
 
 
+def test_a_plugin_exiting_at_import_is_reported_as_broken_and_hides_nothing(
+    site: FakeSite, good: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nvtrain.cli import main
+
+    exiter = site.module("exiter", "import sys\nsys.exit('plugin refuses')\n")
+    site.dist("nvtrain-fake-exiter", {"fake-exiter": exiter})
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "fake-good" in out and "error: SystemExit: plugin refuses" in out
+    with pytest.raises(PluginLoadError, match=r"plugin 'fake-exiter' .*cannot be used: SystemExit: plugin refuses"):
+        nvtrain.plugins.load("fake-exiter")
+
+
 def test_loading_a_broken_plugin_raises_plugin_load_error_with_the_cause(broken: dict[str, str]) -> None:
     with pytest.raises(PluginLoadError) as caught:
         nvtrain.plugins.load("fake-raises")
@@ -427,6 +441,20 @@ def test_a_known_class_resolves_from_its_distribution(good: str, monkeypatch: py
         nvtrain.hooks.FakeObserver  # noqa: B018
 
 
+def test_a_third_party_class_the_allow_list_hides_names_the_variable(
+    good: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NVTRAIN_PLUGINS", "other")
+    expected = (
+        r"FakeObserver is provided by plugin 'fake-good' \(nvtrain-fake-good 1.2.3\), "
+        r"which NVTRAIN_PLUGINS=other does not list; add 'fake-good' there"
+    )
+    with pytest.raises(ImportError, match=expected):
+        from nvtrain.hooks import FakeObserver  # noqa: F401
+    with pytest.raises(ImportError, match="cannot import name 'NoSuchHook'"):
+        from nvtrain.hooks import NoSuchHook  # noqa: F401
+
+
 def test_any_installed_plugin_class_is_exported_lazily(good: str) -> None:
     from nvtrain.hooks import FakeUpdateHook
 
@@ -480,3 +508,21 @@ def test_nvtrain_plugins_is_reachable_after_a_plain_import_nvtrain() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_plugin_template_declares_the_floors_of_docs_install_md() -> None:
+    """A plugin started from the template must not claim a Python or torch nvtrain does not support."""
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    install = (root / "docs" / "install.md").read_text(encoding="utf-8")
+    python = re.search(r"^\| Python \| ([\d.]+) \|", install, re.MULTILINE)
+    torch_floor = re.search(r"^\| torch \| ([\d.]+) \|", install, re.MULTILINE)
+    assert python and torch_floor
+    with (root / "examples" / "plugin-template" / "pyproject.toml").open("rb") as file:
+        project = tomllib.load(file)["project"]
+    assert project["requires-python"] == f">={python.group(1)}"
+    declared = {re.split(r"[<>=!~ ]", dep, maxsplit=1)[0]: dep for dep in project["dependencies"]}
+    floor = re.sub(r"(\.0)+$", "", torch_floor.group(1))  # 2.13.0 and 2.13 are the same floor
+    assert re.sub(r"(\.0)+$", "", declared["torch"].removeprefix("torch>=")) == floor

@@ -151,3 +151,24 @@ def test_every_public_setting_has_a_reader() -> None:
             if not re.search(rf"\.{re.escape(field.name)}\b(?!\s*=[^=])", code):
                 unread.append(f"{cls.__qualname__}.{field.name}")
     assert unread == [], f"settings that nothing in nvtrain or its plugins reads: {unread}"
+
+
+# -- environment switches ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "tracing"), [("false", False), ("No", False), (" off ", False), ("0", False),
+                                                ("", False), ("1", True), ("true", True), ("yes", True)])
+def test_nvtrain_trace_reads_false_values_as_off_like_the_autoload_switch(
+    monkeypatch: pytest.MonkeyPatch, value: str, tracing: bool
+) -> None:
+    from nvtrain.bus import TRACE_ENV, HookBus
+    from nvtrain.plugins import DISABLE_AUTOLOAD_ENV, autoload_disabled
+
+    monkeypatch.setenv(TRACE_ENV, value)
+    monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, value)
+    bus = HookBus()
+    try:
+        assert bus.tracing is tracing
+        assert autoload_disabled() is tracing  # one reading of a boolean variable for both
+    finally:
+        bus.close()

@@ -308,10 +308,23 @@ def test_lr_scheduler_monitor_is_the_validation_value_a_plateau_schedule_steps_w
     assert by_loss.lrs == pytest.approx([1e-12] * 8 + [0.5e-12] * 4, rel=1e-9)
 
 
-def test_an_unknown_lr_scheduler_monitor_is_named_when_the_run_validates(job: Job) -> None:
-    built = job.build(PLATEAU % "f1")
-    with pytest.raises(KeyError, match=r"steps with validation metric 'f1', which the validation summary lacks"):
-        run(built)
+def test_an_accumulate_hook_alone_sets_the_steps_the_cosine_horizon_counts(job: Job) -> None:
+    """8 micro-batches an epoch, 4 a step, 2 epochs: 4 optimizer steps, and T_max is 4, not 16."""
+    built = job.build(
+        "data.kwargs={batches: 8}", "trainer.num_epochs=2", "hooks=[{name: accumulate, steps: 4}]",
+        "lr_scheduler={factory: cosine}",
+    )
+    assert built.run_length == 4
+    result, _ = run(built)
+    assert result.step_count == 4
+    assert built.strategy.ctx.lr_schedulers["main"].T_max == 4
+
+
+def test_an_unknown_lr_scheduler_monitor_is_refused_before_the_run(job: Job) -> None:
+    """Not at the first validation, after files were written: when the config is checked."""
+    with pytest.raises(ConfigError, match=r"monitor 'f1' is not a key of the validation summary") as caught:
+        job.plan(PLATEAU % "f1")
+    assert caught.value.path == ("lr_scheduler", "monitor")
 
 
 # -- validation.every_n_epochs, use_ema, use_mixed_precision ----------------------------------------

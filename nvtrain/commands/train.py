@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         full = disk_full(err)
         if full is None:
             raise
-        where = f"writing {full.filename}" if full.filename else str(full.strerror or err)
+        # a write that names no file is still one in the run directory (metrics, plot, checkpoints)
+        where = f"writing {full.filename}" if full.filename else f"writing into {plan.run_dir}"
         return error(f"no space left on device {where}", EXIT_FAILURE)
 
 

@@ -15,7 +15,10 @@ __all__ = ["resolve_import_path"]
 def resolve_import_path(spec: str, search_dirs: Sequence[Path] = ()) -> Any:
     """Import ``package.module:attr.sub``; ``search_dirs`` are tried for modules not installed.
 
-    Raises ImportError/AttributeError with a message naming ``spec``.
+    Raises ImportError/AttributeError with a message naming ``spec``. A module that
+    raises while it is imported (a ``SyntaxError``, a ``RuntimeError``, a ``sys.exit()``)
+    raises ImportError too, naming the module and its error: a config that names
+    broken code is a bad config, to be reported in one line like a misspelt one.
     """
     module_name, _, attr_path = spec.partition(":")
     try:
@@ -25,6 +28,10 @@ def resolve_import_path(spec: str, search_dirs: Sequence[Path] = ()) -> Any:
             raise ImportError(f"importing {module_name!r} for {spec!r} failed: {err}") from err
         where = f" (also looked in {', '.join(str(d) for d in search_dirs)})" if search_dirs else ""
         raise ImportError(f"cannot import module {module_name!r} for {spec!r}{where}") from None
+    except ImportError:
+        raise
+    except (Exception, SystemExit) as err:
+        raise ImportError(f"importing module {module_name!r} for {spec!r} raised {_one_line(err)}") from err
     target: Any = module
     for part in attr_path.split("."):
         try:
@@ -35,6 +42,12 @@ def resolve_import_path(spec: str, search_dirs: Sequence[Path] = ()) -> Any:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise AttributeError(f"{module_name!r} has no attribute {attr_path!r} ({spec!r}){hint}") from None
     return target
+
+
+def _one_line(err: BaseException) -> str:
+    """``SyntaxError: '(' was never closed (my_model.py, line 1)``: the error's type and first line."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def _import_module(name: str, search_dirs: Sequence[Path]) -> Any:

@@ -32,9 +32,14 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str], locations: d
         value, _ = parse_yaml(raw, where) if raw.strip() else (None, {})
         node: Any = data
         path: list[str | int] = []
+        created: list[tuple[str | int, ...]] = []
         for part in parts[:-1]:
+            parent, before = node, _child(node, part)
             node, step = _descend(node, part, path, where)
             path.append(step)
+            kept = isinstance(parent, list) and isinstance(before, str)  # a hook name became {name: ...}
+            if node is not before and not kept:  # made by this override: its errors name the argument
+                created.append(tuple(path))
         last = parts[-1]
         if isinstance(node, list):
             index = _list_index(node, last, path, where)
@@ -49,7 +54,18 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str], locations: d
         for known in [p for p in locations if p[: len(prefix)] == prefix]:
             del locations[known]
         locations[prefix] = where
+        for made in created:
+            locations[made] = where
     return data
+
+
+def _child(node: Any, part: str) -> Any:
+    """What ``node`` holds under ``part`` before an override descends into it (None when nothing)."""
+    if isinstance(node, dict):
+        return node.get(part)
+    if isinstance(node, list) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
+        return node[int(part)]
+    return None
 
 
 def _descend(node: Any, part: str, path: list[str | int], where: str) -> tuple[Any, str | int]:

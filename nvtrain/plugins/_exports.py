@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from nvtrain.plugins._api import visible_records
 from nvtrain.plugins._environment import ALLOW_LIST_ENV, allow_list, autoload_disabled
-from nvtrain.plugins._registry import REGISTRY, LoadedPlugin, LoadFailure
+from nvtrain.plugins._registry import REGISTRY, EntryPointRecord, LoadedPlugin, LoadFailure
 
 __all__ = ["resolve_hook_class"]
 
@@ -19,8 +19,10 @@ def resolve_hook_class(name: str, known: Mapping[str, tuple[str, str]]) -> type:
     ``(distribution, module)``: those are looked up in that distribution only, and a
     missing distribution raises ImportError naming what to install. Any other name is
     searched in every visible plugin's ``__nvtrain_hooks__`` (imported plugins only when
-    autoloading is disabled); not finding it raises AttributeError, so
-    ``from nvtrain.hooks import Unknown`` fails with Python's usual ImportError.
+    autoloading is disabled); a class only a plugin the ``NVTRAIN_PLUGINS`` allow-list
+    hides provides raises ImportError naming the variable; not finding it at all raises
+    AttributeError, so ``from nvtrain.hooks import Unknown`` fails with Python's usual
+    ImportError.
     """
     if name in known:
         distribution, module = known[name]
@@ -77,8 +79,34 @@ def _from_any_plugin(name: str) -> type:
     if matches:
         where = ", ".join(f"{loaded.record.label} as {cls.__module__}.{cls.__qualname__}" for loaded, cls in matches)
         raise ImportError(f"{name} is provided by several plugins: {where}; import it from its module instead")
+    hidden = _hidden_provider(name, lazy)
+    if hidden is not None:
+        raise ImportError(
+            f"{name} is provided by {hidden.label}, which {ALLOW_LIST_ENV}={','.join(allow_list() or ())} "
+            f"does not list; add {hidden.name!r} there to use {name}",
+            name=hidden.value.partition(":")[0].strip(),
+        )
     message = f"module 'nvtrain.hooks' has no attribute {name!r}"
     if failures:
         broken = "; ".join(f"{f.record.label}: {f.summary}" for f in failures)
         message += f" (plugins that failed to load, and might provide it: {broken})"
     raise AttributeError(message)
+
+
+def _hidden_provider(name: str, lazy: bool) -> EntryPointRecord | None:
+    """The installed plugin the ``NVTRAIN_PLUGINS`` allow-list hides that provides class ``name``, if any.
+
+    Only asked once the visible plugins lack ``name``, so the error can name the
+    variable instead of saying the class does not exist. Hidden plugins are imported
+    for this (already imported ones only when autoloading is disabled).
+    """
+    allowed = allow_list()
+    if allowed is None:
+        return None
+    for record in REGISTRY.records():
+        if record.name in allowed:
+            continue
+        outcome = REGISTRY.cached(record) if lazy else REGISTRY.outcome(record)
+        if isinstance(outcome, LoadedPlugin) and any(cls.__name__ == name for cls in outcome.classes):
+            return record
+    return None

@@ -148,7 +148,9 @@ def _scan() -> list[EntryPointRecord]:
 def _import(record: EntryPointRecord) -> LoadedPlugin | LoadFailure:
     try:
         target = record.entry_point.load()
-    except Exception as err:  # reported by available(), raised by load(): never lost
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # a sys.exit() at import too: reported by available(), raised by load()
         return LoadFailure(record, _one_line(err), err)
     classes = getattr(target, HOOKS_ATTRIBUTE, None)
     problem = _check_classes(classes)

@@ -208,6 +208,7 @@ def test_it_is_a_built_in_hook_a_config_can_name(tmp_path: Path) -> None:
     config.write_text(
         "model: {factory: 'nvtrain.builtin.digits:make_classifier'}\n"
         "data: {factory: 'nvtrain.builtin.digits:make_loaders'}\n"
+        "validation: {metrics: [accuracy]}\n"  # the monitor must be a key of the validation summary
         "hooks:\n"
         "  - {name: early_stopping, monitor: accuracy, mode: max, patience: 2}\n",
         encoding="utf-8",
@@ -219,6 +220,10 @@ def test_it_is_a_built_in_hook_a_config_can_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         prepare(load_config(config, ["hooks.early_stopping.mode=highest"]), world_size=1)
     assert info.value.path == ("hooks", 0, "mode") and "EarlyStoppingHook.mode must be 'min'" in str(info.value)
+    config.write_text(config.read_text(encoding="utf-8").replace("validation: {metrics: [accuracy]}\n", ""))
+    with pytest.raises(ConfigError) as info:
+        prepare(load_config(config), world_size=1)
+    assert info.value.path == ("hooks", 0, "monitor") and "monitor 'accuracy' is not a key" in str(info.value)
 
 
 # -- resume ------------------------------------------------------------------------------------
