@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from nvtrain.data_cursor import is_torchdata_class
 from nvtrain.distributed import TorchrunEnv, default_backend
@@ -307,7 +314,16 @@ def unsupported_reason(loader: Any) -> str | None:
     plain = type(batch_sampler) is BatchSampler or is_torchdata_class(batch_sampler, "BatchSampler")
     if batch_sampler is not None and (loader.batch_size is None or not plain):
         return f"it has a custom batch_sampler ({type(batch_sampler).__name__})"
+    sampler = loader.sampler
+    if not (_shuffles(sampler) or _in_order(sampler)):
+        # a DistributedSampler over the whole dataset would drop what it selects (a subset) or weights
+        return f"it has a custom sampler ({type(sampler).__name__}), which a DistributedSampler would not keep"
     return None
+
+
+def _in_order(sampler: Any) -> bool:
+    """A sampler that reads the dataset in order: torch's SequentialSampler, or torchdata's."""
+    return isinstance(sampler, SequentialSampler) or is_torchdata_class(sampler, "SequentialSampler")
 
 
 def _shuffles(sampler: Any) -> bool:

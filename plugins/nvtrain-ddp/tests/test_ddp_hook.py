@@ -22,7 +22,9 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     SequentialSampler,
+    SubsetRandomSampler,
     TensorDataset,
+    WeightedRandomSampler,
 )
 
 import nvtrain
@@ -359,6 +361,16 @@ class _Stream(IterableDataset):  # type: ignore[type-arg]
                 make_loader().dataset, batch_sampler=BatchSampler(SequentialSampler(range(16)), 4, False)
             ),
             "custom batch_sampler",
+        ),
+        (  # a DistributedSampler over the whole dataset would drop the subset it selects
+            lambda: DataLoader(make_loader().dataset, batch_size=4, sampler=SubsetRandomSampler(range(6))),
+            r"custom sampler \(SubsetRandomSampler\)",
+        ),
+        (
+            lambda: DataLoader(
+                make_loader().dataset, batch_size=4, sampler=WeightedRandomSampler([1.0] * 16, num_samples=16)
+            ),
+            r"custom sampler \(WeightedRandomSampler\)",
         ),
     ],
 )
