@@ -27,6 +27,7 @@ used.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -98,12 +99,15 @@ class DataCursor:
         """True when :meth:`open` starts at the position without fetching the batches before it."""
         return self.reason is None
 
-    def open(self, position: int, epoch: int = 0) -> Iterator[Any]:
+    def open(self, position: int, epoch: int = 0, *, reopen: bool = False) -> Iterator[Any]:
         """An iterator over the epoch's micro-batches from ``position`` on.
 
-        Raises ValueError when the epoch has fewer than ``position`` micro-batches.
+        ``reopen``: the epoch was started before (a state captured inside its first window), so
+        even at position 0 its order is drawn now, under the random states the caller restored,
+        as for any later position. Raises ValueError when the epoch has fewer than ``position``
+        micro-batches.
         """
-        if position == 0:
+        if position == 0 and not reopen:
             return iter(self.loader)
         if self.reason is None:
             return self._open_by_index(position, epoch)
@@ -126,6 +130,8 @@ class DataCursor:
                     f"StepScheduler: cannot resume epoch {epoch + 1} at micro-batch {position}: the dataloader "
                     f"yields only {skipped} this epoch"
                 )
+        if position == 0:
+            iterator = _drawn_now(iterator)
         remaining = _RemainingBatches(iterator, replica, real)
         settings: dict[str, Any] = {
             "num_workers": loader.num_workers,
@@ -170,7 +176,14 @@ class DataCursor:
                     f"StepScheduler: cannot resume epoch {epoch + 1} at micro-batch {position}: the dataloader yields "
                     f"only {skipped} this epoch"
                 )
-        return iterator
+        return _drawn_now(iterator) if position == 0 else iterator
+
+
+def _drawn_now(iterator: Iterator[Any]) -> Iterator[Any]:
+    """``iterator`` with its first item pulled already: a sampler draws its order at the first pull, which
+    must happen under the random states the caller set (skipping to a later position pulls anyway)."""
+    first = next(iterator, _NO_ITEM)
+    return iter(()) if first is _NO_ITEM else itertools.chain((first,), iterator)
 
 
 def _started_later(loader: DataLoader[Any]) -> Iterator[Any]:

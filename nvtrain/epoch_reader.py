@@ -133,7 +133,7 @@ class EpochReader:
         """The iterator of ``epoch`` that yields micro-batch ``position`` first (nothing before it is read)."""
         loader = self.loader
         generators = list(loader_generators(loader).values())
-        if position == 0:
+        if position == 0 and self.epoch_rng is None:
             self.epoch_rng = _capture_rng(generators)
             iterator = iter(loader)
         elif self._loaded_state is not None:  # a StatefulDataLoader continues from its own saved state
@@ -150,7 +150,8 @@ class EpochReader:
             else:
                 _restore_rng(self.epoch_rng, generators)
             try:  # without reading the consumed micro-batches where the loader allows it
-                iterator = DataCursor(loader).open(position, epoch)
+                # (position 0 with the epoch's states: a state captured inside its first window)
+                iterator = DataCursor(loader).open(position, epoch, reopen=True)
             finally:
                 _restore_rng(now, generators)
         self.iterator, self.pending, self.pulled = iterator, NO_ITEM, position

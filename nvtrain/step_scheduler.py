@@ -673,8 +673,9 @@ class StepScheduler:
             "step": self.step,
             "epoch": epoch,
             "position": position,
+            # also at position 0 once the epoch's iterator exists (a state taken inside its first window)
             "epoch_rng": None
-            if rng is None or position == 0
+            if rng is None
             else {"torch": rng["torch"].clone(), "generators": [s.clone() for s in rng["generators"]]},
             "loader": self._loader_entry(position),
             "stream_exhausted": self.stream_exhausted,

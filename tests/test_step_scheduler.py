@@ -353,6 +353,49 @@ def test_resume_replays_the_same_steps_and_micro_batches(generator: bool, save_a
     assert rest == straight[save_at:]
 
 
+@pytest.mark.parametrize("generator", [False, True], ids=["global-rng", "loader-generator"])
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_a_state_taken_inside_an_epochs_first_window_replays_its_order(generator: bool, epoch: int) -> None:
+    """Position 0 with the epoch's order already drawn: the resume draws it again from the epoch's states.
+
+    A fresh iterator would draw from the states of the capture moment (later ones), and so
+    train a different permutation for this epoch and every one after it.
+    """
+
+    def build() -> StepScheduler:
+        return StepScheduler(4, 2, 1, shuffled_loader(generator), num_epochs=3, preemption_signal=None)
+
+    torch.manual_seed(0)
+    straight, _ = record_run(build())
+    torch.manual_seed(0)
+    first = build()
+    first.finish_step_required = True  # the precise loop: an open window counts for nothing yet
+    rows, captured = [], None
+    for current in first.epochs:
+        for window in first:
+            if current == epoch and captured is None:  # the first window is open: nothing counted yet
+                generator_state = None if first.dataloader.generator is None else first.dataloader.generator.get_state()
+                captured = (copy.deepcopy(first.state_dict()), torch.get_rng_state(), generator_state)
+                break
+            torch.rand(3)
+            first.finish_step()
+            rows.append((first.step, first.is_val_step, first.is_ckpt_step, [b[0].tolist() for b in window]))
+        if captured is not None:
+            break
+    assert captured is not None
+    state, global_rng, loader_rng = captured
+    assert (state["epoch"], state["position"]) == (epoch, 0) and state["epoch_rng"] is not None
+
+    torch.manual_seed(123)
+    resumed = build()
+    resumed.load_state_dict(state)
+    torch.set_rng_state(global_rng)
+    if loader_rng is not None:
+        resumed.dataloader.generator.set_state(loader_rng)
+    rest, _ = record_run(resumed)
+    assert rows + rest == straight
+
+
 def test_state_dict_after_the_loop_points_past_the_data() -> None:
     scheduler = make(list(range(4)), global_batch_size=2, num_epochs=2)
     drive(scheduler)
