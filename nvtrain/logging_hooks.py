@@ -109,7 +109,10 @@ class StepLogReader:
     _loss_sum: torch.Tensor | None = None
     _loss_batches: int = 0
     _samples: int = 0
+    #: Steps since the clock started (a validation restarts it: its time is not training time).
     _steps: int = 0
+    #: Steps in the logging window the loss sum covers (the weight of its mean in ``train_loss_avg``).
+    _window_steps: int = 0
     _clock: float | None = None
     _last_logged: int = -1
 
@@ -122,7 +125,7 @@ class StepLogReader:
         self._every = self.every if self.every is not None else remote if remote is not None else 10
         self._recent.clear()
         self._clock = time.perf_counter()
-        self._samples = self._steps = 0
+        self._samples = self._steps = self._window_steps = 0
 
     def observe_batch(self, ctx: TrainingContext) -> dict[str, float] | None:
         loss = ctx.loss
@@ -134,6 +137,7 @@ class StepLogReader:
         if ctx.step_skipped:
             return None
         self._steps += 1
+        self._window_steps += 1
         step = ctx.step_count
         scheduler = ctx.scheduler if ctx.windowed and ctx.sync_gradients else None
         final = scheduler is not None and (scheduler.is_last_step or ctx.preempted)  # flush the last window
@@ -157,15 +161,15 @@ class StepLogReader:
         now = time.perf_counter()
         record: dict[str, float] = {"step": ctx.step_count, "epoch": ctx.epoch + 1}  # 1-based for people
         record.update(zip(names, values, strict=True))
-        if "train_loss" in record and self._steps:
-            record["train_loss_avg"] = self._average(record["train_loss"], self._steps)
+        if "train_loss" in record and self._window_steps:
+            record["train_loss_avg"] = self._average(record["train_loss"], self._window_steps)
         record.update(_learning_rates(ctx))
         if self._clock is not None and self._steps:
             elapsed = now - self._clock
             record["step_time"] = elapsed / self._steps
             if elapsed > 0:
                 record["samples_per_s"] = self._samples * ctx.world_size / elapsed
-        self._loss_sum, self._loss_batches = None, 0
+        self._loss_sum, self._loss_batches, self._window_steps = None, 0, 0
         self._clock, self._samples, self._steps = now, 0, 0
         return record
 

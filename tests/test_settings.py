@@ -75,6 +75,20 @@ def test_loss_average_window_steps_drives_the_smoothed_loss(make_strategy: Any, 
     assert averages[-1] != pytest.approx(losses[-1])  # really smoothed
 
 
+def test_a_validation_inside_a_logging_window_keeps_the_window_whole_in_the_average(
+    make_strategy: Any, batches: Any, tmp_path: Path
+) -> None:
+    """A validation restarts the step clock, not the loss window: each window weighs the steps it covers."""
+    logger = CSVLoggerHook(tmp_path / "metrics.csv", log_every_n_steps=4)
+    config = nvtrain.StepSchedulerConfig(loss_average_window_steps=4)
+    validation = nvtrain.ValidationConfig(data=batches(1), every_n_steps=2, every_n_epochs=None)
+    make_strategy([logger], step_scheduler=config, validation=validation, num_epochs=1).run(batches(12))
+    rows = _csv_rows(tmp_path / "metrics.csv")
+    assert [row["step"] for row in rows] == ["4", "8", "12"]
+    for row in rows:  # a 4-step average over 4-step windows is the window's own mean
+        assert float(row["train_loss_avg"]) == pytest.approx(float(row["train_loss"]), rel=1e-5)
+
+
 def test_the_progress_bar_shows_the_smoothed_loss(make_strategy: Any, batches: Any, tmp_path: Path) -> None:
     import io
 
