@@ -29,6 +29,9 @@ _LAZY_SUBMODULES = frozenset({"hooks", "plugins", "testing", "validators"})
 def __getattr__(name: str) -> Any:
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"nvtrain.{name}")
+    hooks = importlib.import_module("nvtrain.hooks") if name[:1].isupper() else None
+    if hooks is not None and name in hooks.PLUGIN_HOOK_CLASSES:  # ``from nvtrain import CheckpointHook``, as the reference writes it
+        return getattr(hooks, name)
     raise AttributeError(f"module 'nvtrain' has no attribute {name!r}")
 
 __all__ = [

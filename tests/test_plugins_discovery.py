@@ -493,12 +493,17 @@ def test_a_class_name_two_plugins_provide_is_ambiguous(site: FakeSite, good: str
         nvtrain.hooks.FakeObserver  # noqa: B018
 
 
-def test_nvtrain_plugins_is_reachable_after_a_plain_import_nvtrain() -> None:
+def test_subpackages_and_plugin_classes_are_reachable_after_a_plain_import_nvtrain() -> None:
     """The docs write ``import nvtrain; nvtrain.plugins.load(...)``: the subpackage loads on first use, not before."""
     code = (
         "import sys, nvtrain\n"
         "assert 'nvtrain.plugins' not in sys.modules\n"
         "assert callable(nvtrain.plugins.load) and nvtrain.hooks.GradientClippingHook\n"
+        "from nvtrain.hooks import CheckpointableHook, Hook, TrainingUpdateHook\n"
+        "assert TrainingUpdateHook is nvtrain.TrainingUpdateHook and Hook is nvtrain.Hook\n"
+        "assert CheckpointableHook is nvtrain.CheckpointableHook\n"
+        "from nvtrain import CheckpointHook\n"  # a shipped plugin's class, as the reference imports it
+        "assert CheckpointHook is nvtrain.hooks.CheckpointHook\n"
         "try:\n"
         "    nvtrain.no_such_name\n"
         "except AttributeError as err:\n"

@@ -2,12 +2,17 @@
 
 ``from nvtrain.hooks import GradientAccumulationHook`` imports a built-in;
 ``from nvtrain.hooks import MixedPrecisionHook`` imports the class from the
-installed ``nvtrain-amp`` distribution, or raises ImportError naming it.
+installed ``nvtrain-amp`` distribution, or raises ImportError naming it. The
+base classes a hook author subclasses are here too, where the reference
+documents import them from.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+# --- the base classes of hooks ---------------------------------------------------
+from nvtrain.hook import CheckpointableHook, Hook, TrainingUpdateHook
 
 # --- built-in hooks (core update policies and observers) -----------------------
 from nvtrain.hooks.accumulation import GradientAccumulationHook
@@ -20,15 +25,18 @@ from nvtrain.logging_hooks import CSVLoggerHook, ProgressBarHook, TensorBoardHoo
 
 __all__: list[str] = [
     "CSVLoggerHook",
+    "CheckpointableHook",
     "EarlyStoppingHook",
     "GradientAccumulationHook",
     "GradientClippingHook",
+    "Hook",
     "ModulePatchHook",
     "ProgressBarHook",
     "SpikeSkipHook",
     "StageTimingHook",
     "TensorBoardHook",
     "TrainableParameterHook",
+    "TrainingUpdateHook",
 ]
 
 
