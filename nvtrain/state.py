@@ -4,9 +4,10 @@
 DistributedDataParallel), optimizer and LR-scheduler states, the context counters,
 the step scheduler's state (the data position), the global RNG states and the state
 of every hook that satisfies :class:`~nvtrain.hook.CheckpointableHook`.
-``apply_state(strategy, state)`` puts it back. The on-disk format belongs to the
-``nvtrain-checkpoint`` distribution; the core only finds its reader through the
-``checkpoint`` entry point (or a hook that has ``read_checkpoint``).
+``apply_state(strategy, state)`` puts it back, also into models sharded with FSDP when
+the state holds full tensors (one process wrote it): each rank takes its shards. The
+on-disk format belongs to the ``nvtrain-checkpoint`` distribution; the core only finds
+its reader through the ``checkpoint`` entry point (or a hook that has ``read_checkpoint``).
 
 Tensors in a captured state are live references (as in ``nn.Module.state_dict()``):
 copy them before the training loop continues if they must stay fixed.
@@ -27,6 +28,7 @@ from nvtrain.data_cursor import is_stateful_dataloader
 from nvtrain.distributed import unwrap_model
 from nvtrain.epoch_reader import loader_generators
 from nvtrain.errors import ResumeError
+from nvtrain.full_state import first_line, full_into_sharded, load_full_model, load_full_optimizer
 from nvtrain.hook import CheckpointableHook, hook_label
 from nvtrain.hookspecs import PROJECT_NAME, hookimpl
 from nvtrain.stages import TrainingStage
@@ -262,14 +264,6 @@ def _check_optimizer_classes(saved: Any, live: Mapping[str, torch.optim.Optimize
             )
 
 
-def _first_line(err: BaseException) -> str:
-    """torch's load_state_dict errors span lines (one per tensor); the first mismatch says enough."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    if len(lines) <= 2:
-        return " ".join(lines)
-    return f"{lines[0]} {lines[1]} (and {len(lines) - 2} more)"
-
-
 def _check_names(kind: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> None:
     if set(saved) != set(live):
         raise ResumeError(
@@ -334,18 +328,10 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
     _check_names("optimizers", state["optimizers"], ctx.optimizers)
     _check_names("LR schedulers", state["lr_schedulers"], ctx.lr_schedulers)
     for name, model in ctx.models.items():
-        try:
-            unwrap_model(model).load_state_dict(state["models"][name])
-        except RuntimeError as err:
-            raise ResumeError(
-                f"the checkpoint's weights for model {name!r} do not fit this model: {_first_line(err)}"
-            ) from None
+        _load_model(name, model, state["models"][name])
     _check_optimizer_classes(state.get("optimizer_classes"), ctx.optimizers)
     for name, optimizer in ctx.optimizers.items():
-        try:
-            optimizer.load_state_dict(state["optimizers"][name])
-        except (ValueError, KeyError, RuntimeError) as err:
-            raise ResumeError(f"the checkpoint's state for optimizer {name!r} does not fit it: {err}") from None
+        _load_optimizer(name, optimizer, state["optimizers"][name], ctx.models)
     for name, sched in ctx.lr_schedulers.items():
         saved = state["lr_schedulers"][name]
         if isinstance(sched, (list, tuple)):
@@ -362,6 +348,36 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
     if scheduler:
         apply_scheduler_state(strategy, state)
     apply_rng_state(_rank_rng(strategy, state), ctx.train_loader)
+
+
+def _load_model(name: str, model: torch.nn.Module, saved: Mapping[str, Any]) -> None:
+    """Load the saved weights of model ``name``; full ones into a sharded model through
+    :func:`~nvtrain.full_state.load_full_model`."""
+    module = unwrap_model(model)
+    if full_into_sharded(module.parameters(), saved):
+        load_full_model(name, module, saved)
+        return
+    try:
+        module.load_state_dict(saved)
+    except RuntimeError as err:
+        raise ResumeError(
+            f"the checkpoint's weights for model {name!r} do not fit this model: {first_line(err)}"
+        ) from None
+
+
+def _load_optimizer(
+    name: str, optimizer: torch.optim.Optimizer, saved: Any, models: Mapping[str, torch.nn.Module]
+) -> None:
+    """Load the saved state of optimizer ``name``; a full one into sharded parameters through
+    :func:`~nvtrain.full_state.load_full_optimizer`."""
+    params = (param for group in optimizer.param_groups for param in group["params"])
+    if isinstance(saved, Mapping) and full_into_sharded(params, saved.get("state")):
+        load_full_optimizer(name, optimizer, saved, models)
+        return
+    try:
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise ResumeError(f"the checkpoint's state for optimizer {name!r} does not fit it: {err}") from None
 
 
 def _rank_rng(strategy: TrainingStrategy, state: Mapping[str, Any]) -> Mapping[str, Any]:
