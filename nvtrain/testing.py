@@ -16,20 +16,25 @@ GPU: on a machine with one, the test still runs the gloo path it was written for
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
 
 __all__ = [
     "PORTS_VARIABLE",
     "RanksFailed",
     "free_port",
     "kill_ranks",
+    "load_script",
     "rank_environment",
     "run_ranks",
+    "run_scenarios",
     "scenario_ports",
     "start_ranks",
     "wait_ranks",
@@ -138,3 +143,35 @@ def run_ranks(
     """:func:`start_ranks`, then :func:`wait_ranks`: each rank's output, or :class:`RanksFailed`."""
     return wait_ranks(start_ranks(script, args, nprocs=nprocs, scenarios=scenarios, cuda=cuda), timeout_s)
 
+
+def load_script(path: str | os.PathLike[str], name: str) -> ModuleType:
+    """The worker script at ``path`` imported as module ``name`` (registered in ``sys.modules``), so a test can
+    reuse its models and helpers: a test directory's sibling files are not importable by name everywhere."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {os.fspath(path)!r} as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_scenarios(specs: Sequence[str], run: Callable[[str, str, Any], None]) -> None:
+    """In a rank: run each ``name=arg`` of ``specs`` in order as ``run(name, arg, manager)``, each in a process
+    group of its own on its port from :func:`scenario_ports` (opened before, barrier'd and destroyed after;
+    ``manager`` is the :class:`~nvtrain.DistributedManager` of that group)."""
+    import torch
+    import torch.distributed as dist
+
+    from nvtrain.distributed import DistributedManager
+
+    ports = scenario_ports()
+    torch.set_num_threads(1)
+    for index, spec in enumerate(specs):
+        name, _, arg = spec.partition("=")
+        if ports:
+            os.environ["MASTER_PORT"] = str(ports[index])
+        manager = DistributedManager.initialize(device="cpu")
+        run(name, arg, manager)
+        dist.barrier()  # tear the group down together
+        DistributedManager.cleanup()

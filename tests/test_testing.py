@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from nvtrain.testing import RanksFailed, free_port, run_ranks, start_ranks, wait_ranks
+from nvtrain.testing import RanksFailed, free_port, load_script, run_ranks, start_ranks, wait_ranks
 
 REPORT = textwrap.dedent(
     """
@@ -75,3 +76,45 @@ def test_free_port_can_be_bound() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
     assert 0 < port < 65536
+
+
+SCENARIOS = textwrap.dedent(
+    """
+    import json, sys
+    import torch.distributed as dist
+    from nvtrain.testing import run_scenarios
+
+    seen = []
+
+    def run(name, arg, manager):
+        total = __import__("torch").ones(1) * (manager.rank + 1)
+        dist.all_reduce(total)  # a working group of the scenario's own
+        seen.append({"name": name, "arg": arg, "world": manager.world_size, "sum": int(total),
+                     "port": __import__("os").environ["MASTER_PORT"]})
+
+    run_scenarios(sys.argv[1:], run)
+    print(json.dumps({"seen": seen, "initialized_after": dist.is_initialized()}))
+    """
+)
+
+
+def test_run_scenarios_gives_each_scenario_a_group_on_its_own_port(tmp_path: Path) -> None:
+    outputs = run_ranks(_script(tmp_path, SCENARIOS), ["first=a", "second"], scenarios=2, timeout_s=120)
+    reports = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    for report in reports:
+        assert [(s["name"], s["arg"], s["world"], s["sum"]) for s in report["seen"]] == [
+            ("first", "a", 2, 3),
+            ("second", "", 2, 3),
+        ]
+        assert report["seen"][0]["port"] != report["seen"][1]["port"]
+        assert report["initialized_after"] is False  # each group is destroyed after its scenario
+    assert reports[0]["seen"] == reports[1]["seen"]
+
+
+def test_load_script_imports_a_worker_under_the_given_name(tmp_path: Path) -> None:
+    path = tmp_path / "helper_worker.py"
+    path.write_text("VALUE = 7\n")
+    module = load_script(path, "nvtrain_test_helper_worker")
+    assert module.VALUE == 7 and sys.modules["nvtrain_test_helper_worker"] is module
+    with pytest.raises(ImportError, match="cannot import"):
+        load_script(tmp_path / "missing.txt", "nvtrain_test_missing")

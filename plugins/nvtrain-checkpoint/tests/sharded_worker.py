@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nvtrain
 from nvtrain.step_scheduler import StepSchedulerConfig
-from nvtrain.testing import scenario_ports
+from nvtrain.testing import run_scenarios
 
 STEPS = 8
 
@@ -242,20 +242,17 @@ SCENARIOS = {
 
 
 def main(out_dir: Path, scenarios: list[str]) -> None:
-    ports = scenario_ports()
-    torch.set_num_threads(1)
-    for index, spec in enumerate(scenarios):
-        name, _, arg = spec.partition("=")
-        if ports:
-            os.environ["MASTER_PORT"] = str(ports[index])
-        nvtrain.DistributedManager.initialize(device="cpu")
+    started = iter(range(len(scenarios)))
+
+    def run(name: str, arg: str, manager: Any) -> None:
+        index = next(started)
         out = out_dir / {"fault": f"fault-{arg}", "resume": f"resume-{index}", "resume_auto": f"resume-{index}"}.get(
             name, name
         )
         out.mkdir(parents=True, exist_ok=True)
         SCENARIOS[name](out, arg)
-        dist.barrier()  # tear the group down together
-        nvtrain.DistributedManager.cleanup()
+
+    run_scenarios(scenarios, run)
 
 
 if __name__ == "__main__":

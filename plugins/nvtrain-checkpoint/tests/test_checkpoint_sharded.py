@@ -10,10 +10,8 @@ resume="auto" finishes the run as if nothing had happened.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -25,7 +23,7 @@ from nvtrain_checkpoint import CheckpointHook, latest_checkpoint, list_checkpoin
 from nvtrain_checkpoint.storage import LATEST_NAME, TMP_PREFIX
 
 from nvtrain.errors import ResumeError
-from nvtrain.testing import kill_ranks, start_ranks, wait_ranks
+from nvtrain.testing import kill_ranks, load_script, start_ranks, wait_ranks
 
 pytest.importorskip("nvtrain_fsdp")  # the ranks shard their model with the FSDP plugin
 
@@ -48,12 +46,7 @@ def results(out: Path) -> list[dict[str, Any]]:
 
 
 def _worker() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sharded_worker", WORKER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(WORKER, "sharded_worker")
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import nvtrain
 from nvtrain.errors import ResumeError
 from nvtrain.step_scheduler import StepSchedulerConfig
-from nvtrain.testing import scenario_ports
+from nvtrain.testing import run_scenarios
 
 LOCAL_BATCH = 4
 #: One global batch size on every world size: 2 micro-batches per step in one process, 1 on two ranks.
@@ -197,18 +197,12 @@ SCENARIOS = {
 
 
 def main(out_dir: Path, scenarios: list[str]) -> None:
-    ports = scenario_ports()
-    torch.set_num_threads(1)
-    for index, spec in enumerate(scenarios):
-        name, _, arg = spec.partition("=")
-        if ports:
-            os.environ["MASTER_PORT"] = str(ports[index])
-        manager = nvtrain.DistributedManager.initialize(device="cpu")
+    def run(name: str, arg: str, manager: Any) -> None:
         out = out_dir / name
         out.mkdir(parents=True, exist_ok=True)
         SCENARIOS[name](out, manager, arg)
-        dist.barrier()  # tear the group down together
-        nvtrain.DistributedManager.cleanup()
+
+    run_scenarios(scenarios, run)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ ends, and a model or an optimizer that does not fit is refused naming what diffe
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -18,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from nvtrain.testing import run_ranks
+from nvtrain.testing import load_script, run_ranks
 
 pytest.importorskip("nvtrain_checkpoint")  # writes the plain checkpoint and loads it on the ranks
 from nvtrain_checkpoint import read_checkpoint
@@ -33,12 +31,7 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def _worker() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plain_resume_worker", WORKER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(WORKER, "plain_resume_worker")
 
 
 @pytest.fixture(scope="module")
