@@ -30,6 +30,7 @@ __all__ = [
     "PORTS_VARIABLE",
     "RanksFailed",
     "free_port",
+    "full_tensors",
     "kill_ranks",
     "load_script",
     "rank_environment",
@@ -175,3 +176,21 @@ def run_scenarios(specs: Sequence[str], run: Callable[[str, str, Any], None]) ->
         run(name, arg, manager)
         dist.barrier()  # tear the group down together
         DistributedManager.cleanup()
+
+
+def full_tensors(value: Any) -> Any:
+    """A copy of a nested state (dicts, lists, tuples) whose tensors are detached clones and whose DTensors
+    are gathered into full tensors: what a rank compares with a one-process reference (every rank calls it,
+    since gathering is a collective)."""
+    import torch
+
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is not None and isinstance(value, dtensor):
+        return value.full_tensor().detach().clone()  # type: ignore[attr-defined]
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: full_tensors(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [full_tensors(item) for item in value]
+    return value

@@ -118,3 +118,15 @@ def test_load_script_imports_a_worker_under_the_given_name(tmp_path: Path) -> No
     assert module.VALUE == 7 and sys.modules["nvtrain_test_helper_worker"] is module
     with pytest.raises(ImportError, match="cannot import"):
         load_script(tmp_path / "missing.txt", "nvtrain_test_missing")
+
+
+def test_full_tensors_copies_a_nested_state_off_its_tensors() -> None:
+    import torch
+
+    from nvtrain.testing import full_tensors
+
+    weight = torch.ones(2)
+    copied = full_tensors({"w": weight, "group": ({"step": torch.tensor(3)}, 5), "name": "x"})
+    weight.add_(1)  # the copy stays as it was
+    assert torch.equal(copied["w"], torch.ones(2)) and copied["group"][0]["step"].item() == 3
+    assert copied["group"][1] == 5 and copied["name"] == "x"

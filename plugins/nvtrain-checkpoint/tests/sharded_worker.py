@@ -28,12 +28,11 @@ import torch.distributed.checkpoint
 from nvtrain_checkpoint import CheckpointHook
 from nvtrain_ema import EMAHook
 from nvtrain_fsdp import FSDPHook
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import nvtrain
 from nvtrain.step_scheduler import StepSchedulerConfig
-from nvtrain.testing import run_scenarios
+from nvtrain.testing import full_tensors, run_scenarios
 
 STEPS = 8
 
@@ -51,17 +50,6 @@ def make_loader(world_size: int) -> DataLoader[Any]:
     return DataLoader(data, batch_size=4, shuffle=True)
 
 
-def full(value: Any) -> Any:
-    """A gathered copy of every tensor of a nested state (DTensors become full tensors)."""
-    if isinstance(value, DTensor):
-        return value.full_tensor().detach().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: full(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [full(v) for v in value]
-    return value
 
 
 def snapshot_of(strategy: nvtrain.TrainingStrategy, ema: EMAHook) -> dict[str, Any]:
@@ -71,10 +59,10 @@ def snapshot_of(strategy: nvtrain.TrainingStrategy, ema: EMAHook) -> dict[str, A
     optimizer = ctx.optimizers["main"]
     names = {id(p): name for name, p in model.named_parameters()}
     return {
-        "weights": full(model.state_dict()),
-        "optimizer": {names[id(p)]: full(state) for p, state in optimizer.state.items()},
+        "weights": full_tensors(model.state_dict()),
+        "optimizer": {names[id(p)]: full_tensors(state) for p, state in optimizer.state.items()},
         "lr": [group["lr"] for group in optimizer.param_groups],
-        "ema": full(ema.averaged_weights()),
+        "ema": full_tensors(ema.averaged_weights()),
         "step_count": ctx.step_count,
         "batch_count": ctx.batch_count,
     }

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import nvtrain
 from nvtrain.errors import ResumeError
 from nvtrain.step_scheduler import StepSchedulerConfig
-from nvtrain.testing import run_scenarios
+from nvtrain.testing import full_tensors, run_scenarios
 
 LOCAL_BATCH = 4
 #: One global batch size on every world size: 2 micro-batches per step in one process, 1 on two ranks.
@@ -73,7 +73,10 @@ def make_strategy(
         distributed_manager=manager,
         device="cpu",
         step_scheduler=StepSchedulerConfig(
-            global_batch_size=GLOBAL_BATCH, num_epochs=1, max_steps=max_steps, ckpt_every_steps=None,
+            global_batch_size=GLOBAL_BATCH,
+            num_epochs=1,
+            max_steps=max_steps,
+            ckpt_every_steps=None,
             validate_on_checkpoint=False,
         ),
     )
@@ -98,19 +101,6 @@ def one_process_run(root: Path | None, steps: int) -> list[torch.Tensor]:
         return [p.detach().clone() for p in strategy.ctx.models["main"].parameters()]
 
 
-def full(value: Any) -> Any:
-    """A gathered copy of every tensor of a nested state (DTensors become full tensors; every rank calls it)."""
-    if isinstance(value, DTensor):
-        return value.full_tensor().detach().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: full(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [full(v) for v in value]
-    return value
-
-
 def snapshot_of(strategy: Any) -> dict[str, Any]:
     """Gathered weights, the optimizer state by parameter name, its param groups and the counters."""
     ctx = strategy.ctx
@@ -118,8 +108,8 @@ def snapshot_of(strategy: Any) -> dict[str, Any]:
     names = {id(p): name for name, p in model.named_parameters()}
     return {
         "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
-        "weights": full(model.state_dict()),
-        "optimizer": {names[id(p)]: full(state) for p, state in optimizer.state.items()},
+        "weights": full_tensors(model.state_dict()),
+        "optimizer": {names[id(p)]: full_tensors(state) for p, state in optimizer.state.items()},
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         "step_count": ctx.step_count,
         "epoch_step_count": ctx.epoch_step_count,
@@ -184,7 +174,7 @@ def scenario_resume_auto(out: Path, manager: Any, root: str) -> None:
     first = FirstBatch()
     with make_strategy([FSDPHook(), CheckpointHook(Path(root), resume="auto"), first], manager) as strategy:
         result = strategy.run(make_loader())
-        final = full(list(strategy.ctx.models["main"].parameters()))
+        final = full_tensors(list(strategy.ctx.models["main"].parameters()))
     save(out, {"first": first.snapshot, "final": final, "step_count": result.step_count})
 
 

@@ -84,9 +84,7 @@ def test_load_into_shards_the_one_process_checkpoint_bitwise(runs: dict[str, Any
         assert loaded["step_count"] == worker.SAVED_AT
 
 
-def test_resume_auto_shards_it_and_continues_like_the_one_process_run(
-    runs: dict[str, Any], worker: ModuleType
-) -> None:
+def test_resume_auto_shards_it_and_continues_like_the_one_process_run(runs: dict[str, Any], worker: ModuleType) -> None:
     results = runs["ranks"]["resume_auto"]
     for result in results:
         first = result["first"]
@@ -109,4 +107,6 @@ def test_a_model_that_does_not_fit_is_refused_naming_the_shapes(runs: dict[str, 
 def test_an_optimizer_grouped_otherwise_is_refused_naming_the_groups(runs: dict[str, Any]) -> None:
     for result in runs["ranks"]["two_groups"]:
         assert "the checkpoint's state for optimizer 'main' does not fit it" in result["error"]
-        assert "its parameter groups hold [4] parameters in the checkpoint but [2, 2] in this optimizer" in result["error"]
+        assert (
+            "its parameter groups hold [4] parameters in the checkpoint but [2, 2] in this optimizer" in result["error"]
+        )
