@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -267,10 +267,42 @@ class CheckpointHook:
             self._after_validation_save = False
             self._save(ctx)
 
-    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
-    def after_epoch(self, ctx: nvtrain.TrainingContext) -> None:
+    @nvtrain.hookimpl(wrapper=True)
+    def after_epoch(self, ctx: nvtrain.TrainingContext) -> Iterator[None]:
         """Save a due epoch-end step (or, with ``epoch_interval``, every N-th completed epoch) once the epoch's
-        end-of-epoch work (validation, epoch-interval LR schedules, the other AFTER_EPOCH hooks) is done."""
+        end-of-epoch work (validation, epoch-interval LR schedules, every AFTER_EPOCH hook) is done.
+
+        A wrapper, so that the step is saved also when another AFTER_EPOCH hook raises: in one
+        process it is written then, with a warning, rather than lost with the epoch. Across ranks
+        a save is collective, and a rank that failed alone cannot make one: it is named instead.
+        """
+        try:
+            result = yield
+        except Exception as err:
+            if self._epoch_end_save:
+                self._rescue_epoch_end(ctx, err)
+            raise
+        self._epoch_end(ctx)
+        return result
+
+    def _rescue_epoch_end(self, ctx: nvtrain.TrainingContext, err: Exception) -> None:
+        """AFTER_EPOCH raised before the deferred epoch-end save: write it in one process, else say it is lost."""
+        self._epoch_end_save = False
+        if _distributed(ctx):
+            err.add_note(f"CheckpointHook: the checkpoint of step {ctx.step_count} (the epoch's end) was not written")
+            return
+        logger.warning(
+            "an AFTER_EPOCH hook raised %s; saving step %d (the epoch's end) anyway, its end-of-epoch work may be "
+            "incomplete",
+            type(err).__name__,
+            ctx.step_count,
+        )
+        try:
+            self._save(ctx)
+        except Exception as save_err:
+            err.add_note(f"CheckpointHook: saving step {ctx.step_count} failed too: {save_err!r}")
+
+    def _epoch_end(self, ctx: nvtrain.TrainingContext) -> None:
         deferred, self._epoch_end_save = self._epoch_end_save, False
         # the scheduler has moved to the next epoch only when this one's data was used up
         completed = ctx.windowed and ctx.scheduler is not None and ctx.scheduler.epoch > ctx.epoch

@@ -97,6 +97,28 @@ def test_step_and_epoch_intervals(driver: ModuleType, tmp_path: Path) -> None:
     assert _saved(tmp_path / "c") == [7, 14, 18]  # 18: the end of the run is always kept
 
 
+class _FailingEpochEnd:
+    """An AFTER_EPOCH hook that fails in the second epoch (a metrics upload, say)."""
+
+    @nvtrain.hookimpl
+    def after_epoch(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.epoch == 1:
+            raise OSError("remote logger unreachable at epoch end")
+
+
+def test_an_epoch_end_step_is_saved_even_when_another_after_epoch_hook_raises(
+    driver: ModuleType, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The save waits for the epoch's end-of-epoch work; a failure there must not lose the epoch."""
+    hooks = [_FailingEpochEnd(), CheckpointHook(tmp_path, step_interval=3)]
+    strategy = nvtrain.TrainingStrategy(**driver.strategy_kwargs("plain", hooks))
+    with pytest.raises(OSError, match="remote logger unreachable"), strategy:
+        strategy.run(driver.make_loader("plain"))
+    assert strategy.ctx.step_count == 18
+    assert _saved(tmp_path) == [3, 6, 9, 12, 15, 18]
+    assert "saving step 18 (the epoch's end) anyway" in caplog.text
+
+
 def test_keep_last_n_in_a_run(driver: ModuleType, tmp_path: Path) -> None:
     hook = CheckpointHook(tmp_path, step_interval=2, keep_last_n=2, async_save=True)
     driver.straight("plain", [hook])
