@@ -40,7 +40,7 @@ import torch
 from nvtrain.config import LoadedConfig, RunConfig, resolve_import_path
 from nvtrain.config.errors import field_of
 from nvtrain.errors import ResumeError, naming_file
-from nvtrain.hook import AccumulatesGradients, AveragesWeights, ProvidesAutocast, SavesCheckpoints
+from nvtrain.hook import AccumulatesGradients, AveragesWeights, Hook, ProvidesAutocast, SavesCheckpoints
 from nvtrain.hookspecs import hookimpl
 from nvtrain.validators import FieldProblem
 
@@ -252,11 +252,16 @@ def _check_monitors(loaded: LoadedConfig, metrics: Mapping[str, Any], hooks: Seq
 
 
 def _may_extend_summary(hook: object) -> bool:
-    """A hook from outside nvtrain and its plugins with an ``after_validation``: it may add summary keys."""
-    package = type(hook).__module__.partition(".")[0]
-    return callable(getattr(hook, "after_validation", None)) and not (
-        package == "nvtrain" or package.startswith("nvtrain_")
-    )
+    """A hook from outside nvtrain and the plugins it ships that runs at AFTER_VALIDATION (an
+    ``after_validation`` method, or a seed-style Hook listing the stage): it may add summary keys."""
+    from nvtrain.hooks import PLUGIN_HOOK_CLASSES
+    from nvtrain.stages import TrainingStage
+
+    shipped = {"nvtrain", *(module for _, module in PLUGIN_HOOK_CLASSES.values())}
+    if type(hook).__module__.partition(".")[0] in shipped:
+        return False
+    seed_style = isinstance(hook, Hook) and TrainingStage.AFTER_VALIDATION in tuple(hook.stages)
+    return seed_style or callable(getattr(hook, "after_validation", None))
 
 
 def _unknown_monitor(name: str, keys: Sequence[str]) -> str:

@@ -65,6 +65,27 @@ def empty_loaders():
 def train_only():
     data = TensorDataset(torch.zeros(16, 64), torch.zeros(16, dtype=torch.long))
     return DataLoader(data, batch_size=8), None
+
+
+class F1Seed(nvtrain.Hook):
+    """A seed-style hook that adds a key to the validation summary."""
+
+    stages = (nvtrain.TrainingStage.AFTER_VALIDATION,)
+
+    def __call__(self, ctx, stage):
+        ctx.validation["f1"] = torch.tensor(0.5)
+'''
+
+#: A third-party plugin package named as docs/writing-plugins.md suggests (nvtrain_<name>).
+THIRD_PARTY = '''
+import torch
+import nvtrain
+
+
+class F1Hook:
+    @nvtrain.hookimpl
+    def after_validation(self, ctx):
+        ctx.validation["f1"] = torch.tensor(0.5)
 '''
 
 
@@ -210,6 +231,19 @@ def test_monitors_accumulation_and_cadences_that_agree_validate(
     job: Path, capsys: pytest.CaptureFixture[str], overrides: list[str]
 ) -> None:
     assert main(["validate", str(job), *sets(*overrides)]) == EXIT_OK, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hook", ["failure_helpers:F1Seed", "nvtrain_f1ext:F1Hook"])
+def test_a_monitor_a_third_party_hook_may_add_to_the_summary_validates(
+    job: Path, capsys: pytest.CaptureFixture[str], hook: str
+) -> None:
+    """Only nvtrain and its shipped plugins are known not to add keys; a seed-style Hook at AFTER_VALIDATION and
+    a plugin package named nvtrain_<name> may."""
+    package = job.parent / "nvtrain_f1ext"
+    package.mkdir()
+    (package / "__init__.py").write_text(THIRD_PARTY, encoding="utf-8")
+    overrides = sets(f"hooks=[{{name: '{hook}'}}, {{name: early_stopping, monitor: f1, mode: max}}]")
+    assert main(["validate", str(job), *overrides]) == EXIT_OK, capsys.readouterr().err
 
 
 def test_an_empty_training_loader_is_named(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
