@@ -200,7 +200,8 @@ class LoaderSharding:
         """``loader`` with a distributed sampler; unchanged when it has one or cannot take one (one warning)."""
         if has_distributed_sampler(loader):
             return loader
-        reason = unsupported_reason(loader)
+        # a sampler factory the user chose replaces any sampler; the default keeps one it would not reproduce
+        reason = unsupported_reason(loader, keep_custom_sampler=sampler_cls is DistributedSampler)
         if reason is not None:
             if not self.warned:
                 self.warned = True
@@ -304,8 +305,13 @@ def has_distributed_sampler(loader: Any) -> bool:
     return any(isinstance(s, DistributedSampler) for s in samplers_of(loader))
 
 
-def unsupported_reason(loader: Any) -> str | None:
-    """Why a sampler cannot be injected into ``loader`` (None when it can)."""
+def unsupported_reason(loader: Any, *, keep_custom_sampler: bool = True) -> str | None:
+    """Why a sampler cannot be injected into ``loader`` (None when it can).
+
+    ``keep_custom_sampler``: a sampler other than a plain sequential or random one (a subset, weights,
+    draws with replacement) is kept, since a DistributedSampler over the whole dataset would drop what
+    it selects; False when the user gave a sampler factory of their own to replace it with.
+    """
     if not isinstance(loader, DataLoader):
         return f"it is a {type(loader).__name__}, not a torch DataLoader"
     if isinstance(loader.dataset, IterableDataset):
@@ -315,10 +321,19 @@ def unsupported_reason(loader: Any) -> str | None:
     if batch_sampler is not None and (loader.batch_size is None or not plain):
         return f"it has a custom batch_sampler ({type(batch_sampler).__name__})"
     sampler = loader.sampler
-    if not (_shuffles(sampler) or _in_order(sampler)):
+    if keep_custom_sampler and not (_plain_random(sampler) or _in_order(sampler)):
         # a DistributedSampler over the whole dataset would drop what it selects (a subset) or weights
         return f"it has a custom sampler ({type(sampler).__name__}), which a DistributedSampler would not keep"
     return None
+
+
+def _plain_random(sampler: Any) -> bool:
+    """A random permutation of the whole dataset (``shuffle=True``), not draws with replacement or a count."""
+    if not _shuffles(sampler):
+        return False
+    replacement = getattr(sampler, "replacement", False)
+    num_samples = getattr(sampler, "_num_samples", None)  # None: len(data_source), as shuffle=True builds it
+    return not replacement and num_samples is None
 
 
 def _in_order(sampler: Any) -> bool:

@@ -21,6 +21,7 @@ from torch.utils.data import (
     DataLoader,
     DistributedSampler,
     IterableDataset,
+    RandomSampler,
     SequentialSampler,
     SubsetRandomSampler,
     TensorDataset,
@@ -337,6 +338,21 @@ def test_custom_sampler_gets_only_the_keywords_it_accepts() -> None:
 
 
 @pytest.mark.usefixtures("world_of_one")
+def test_a_sampler_factory_of_ones_own_replaces_a_custom_sampler() -> None:
+    """Given explicitly, ``sampler_cls`` is the user's way to shard such a loader: it is used, without a warning."""
+
+    def by_rank(dataset: Any, *, rank: int, num_replicas: int) -> list[int]:
+        return list(range(rank, 6, num_replicas))  # e.g. a rank-aware version of the subset
+
+    loader = DataLoader(make_loader().dataset, batch_size=4, sampler=SubsetRandomSampler(range(6)))
+    with make_strategy(DDPHook(sampler_cls=by_rank)) as strategy:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            strategy.setup(loader)
+        assert strategy.ctx.train_loader.sampler == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.usefixtures("world_of_one")
 def test_a_loader_that_already_shards_is_left_alone() -> None:
     data = make_loader().dataset
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=1, rank=0))
@@ -371,6 +387,12 @@ class _Stream(IterableDataset):  # type: ignore[type-arg]
                 make_loader().dataset, batch_size=4, sampler=WeightedRandomSampler([1.0] * 16, num_samples=16)
             ),
             r"custom sampler \(WeightedRandomSampler\)",
+        ),
+        (  # draws with replacement: a DistributedSampler would make it a permutation
+            lambda: DataLoader(
+                make_loader().dataset, batch_size=4, sampler=RandomSampler(range(16), replacement=True, num_samples=8)
+            ),
+            r"custom sampler \(RandomSampler\)",
         ),
     ],
 )
