@@ -168,6 +168,7 @@ def load_full_optimizer(
     # shards like the states it first gives every parameter (a step at lr 0 on zero gradients), only
     # when the optimizer has none and no parameter a gradient: a state it kept would leave the
     # parameters it lacks with full tensors. The gradients come back afterwards.
+    before = dict(optimizer.state)
     optimizer.state.clear()
     for param in params:
         param.grad = None
@@ -189,6 +190,8 @@ def load_full_optimizer(
         }
         set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True, strict=False))
     except (RuntimeError, ValueError, KeyError) as err:
+        optimizer.state.clear()  # not the state torch made up to shard into: the one it had
+        optimizer.state.update(before)
         raise ResumeError(
             f"the checkpoint's state for optimizer {name!r} (full tensors, written by one process) could not be "
             f"sharded into it: {first_line(err)}"

@@ -327,6 +327,12 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
     _check_names("models", state["models"], ctx.models)
     _check_names("optimizers", state["optimizers"], ctx.optimizers)
     _check_names("LR schedulers", state["lr_schedulers"], ctx.lr_schedulers)
+    if state.get("gradients") is not None and ctx.world_size > 1:
+        raise ResumeError(
+            "the state was captured inside an open accumulation window, in one process, and holds that window's "
+            f"gradients, which {ctx.world_size} ranks cannot share out; resume it in one process, or capture the "
+            "state after the window's last micro-batch"
+        )
     for name, model in ctx.models.items():
         _load_model(name, model, state["models"][name])
     _check_optimizer_classes(state.get("optimizer_classes"), ctx.optimizers)
@@ -537,8 +543,12 @@ def apply_held_state(strategy: TrainingStrategy) -> None:
     position still waits for the next run (``train_batch()`` and ``validate()`` would never reach one)."""
     for plugin in strategy.bus.plugins():
         if isinstance(plugin, PendingRestore) and plugin.state is not None and not plugin.scheduler_only:
-            state, plugin.state = plugin.state, None
-            load_state(strategy, state, plugin.source)
+            state, source, plugin.state = plugin.state, plugin.source, None
+            try:
+                load_state(strategy, state, source)
+            except BaseException:
+                plugin.hold(state, source, scheduler_only=False)  # a retry applies all of it, not the rest
+                raise
 
 
 def _pending(strategy: TrainingStrategy) -> PendingRestore:

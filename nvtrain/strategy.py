@@ -184,6 +184,8 @@ class TrainingStrategy:
     #: Every hook of this strategy: the bus, the orchestrator, the registration order.
     registry: HookRegistry = attrs.field(init=False)
     _is_set_up: bool = attrs.field(init=False, default=False)
+    #: A state restored before setup waits to be applied (by setup(); a failed attempt is retried).
+    _restore_pending: bool = attrs.field(init=False, default=False)
     _setup_loader: Any = attrs.field(init=False, default=None)
     _move_batch: Callable[[Any], Any] = attrs.field(init=False)
     _schedules: tuple[ScheduledLR, ...] = attrs.field(init=False, default=())
@@ -285,6 +287,8 @@ class TrainingStrategy:
                 bus.after_training(ctx)
         finally:
             ctx.windowed = False
+            # a run that failed inside a window leaves no window open: the scheduler replays it on resume
+            ctx.window_size, ctx.window_position, ctx.sync_gradients = 1, 0, True
             ctx.release_step_graph()
             if manual_gc:
                 gc.enable()
@@ -524,12 +528,12 @@ class TrainingStrategy:
         only take a new ``train_loader``. A state restored before (``load_state_dict``,
         ``restore``) is applied once the optimizers exist, its data position at the next ``run()``.
         """
-        first = not self._is_set_up
         self._set_up(train_loader)
-        if first:
+        if self._restore_pending:
             from nvtrain.state import apply_held_state
 
-            apply_held_state(self)
+            apply_held_state(self)  # raises, and stays pending, when the state does not fit
+            self._restore_pending = False
 
     def _set_up(self, train_loader: Iterable[Any] | None) -> None:
         """SETUP itself; ``run()`` calls it directly, so a held state is applied whole at BEFORE_TRAINING."""
@@ -709,10 +713,12 @@ class TrainingStrategy:
         return capture_state(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`: now once set up, else at the next run's BEFORE_TRAINING."""
+        """Restore a :meth:`state_dict`: now once set up, else when it is (``setup()``, the first
+        ``train_batch()`` or ``validate()``, or the next run's BEFORE_TRAINING)."""
         from nvtrain.state import load_state
 
         load_state(self, state)
+        self._restore_pending = not self._is_set_up
 
     def restore(self, path: Any) -> None:
         """Restore the checkpoint at ``path``: once set up, through a registered hook's ``load_into`` (a
@@ -721,6 +727,7 @@ class TrainingStrategy:
         from nvtrain.state import restore_checkpoint
 
         restore_checkpoint(self, path)
+        self._restore_pending = not self._is_set_up
 
     @classmethod
     def load_checkpoint(

@@ -342,3 +342,50 @@ def test_an_orchestrator_driven_by_hand_still_counts_the_standalone_window() -> 
         hook(ctx, TrainingStage.BEFORE_BATCH, False)
         positions.append((ctx.window_position, ctx.sync_gradients))
     assert positions == [(0, False), (1, True), (0, False)]
+
+
+def test_a_run_that_fails_inside_a_window_leaves_no_window_open() -> None:
+    """An emergency save after the failure is a run state (the window is replayed), not an open standalone one."""
+
+    class FailAt:
+        @nvtrain.hookimpl
+        def after_backward(self, ctx: nvtrain.TrainingContext) -> None:
+            if ctx.batch_count == 5:  # the second micro-batch of the second window of 4
+                raise RuntimeError("out of memory, say")
+
+    strategy = make_strategy([GradientAccumulationHook(steps=4), FailAt()], OPTIMIZERS["sgd"])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        strategy.run(make_batches(8))
+    ctx = strategy.ctx
+    assert (ctx.window_size, ctx.window_position, ctx.sync_gradients) == (1, 0, True)
+    assert "gradients" not in strategy.state_dict()
+    ctx.world_size = 2  # as on a rank of a DDP job: the emergency save must not be refused
+    strategy.state_dict()
+
+
+def test_window_gradients_from_one_process_are_refused_on_several_ranks_before_anything_loads() -> None:
+    first = make_strategy([GradientAccumulationHook(steps=3)], OPTIMIZERS["sgd"])
+    first.train_batch(make_batches(1)[0])
+    state = copy.deepcopy(first.state_dict())
+    other = make_strategy([GradientAccumulationHook(steps=3)], OPTIMIZERS["sgd"])
+    other.setup()
+    before = [p.detach().clone() for p in other.ctx.models["main"].parameters()]
+    other.ctx.world_size = 2
+    with pytest.raises(nvtrain.errors.ResumeError, match="inside an open accumulation window, in one process"):
+        other.load_state_dict(state)
+    assert all(torch.equal(p, b) for p, b in zip(other.ctx.models["main"].parameters(), before, strict=True))
+
+
+def test_a_held_state_that_fails_to_apply_is_kept_for_the_retry() -> None:
+    first = make_strategy([GradientAccumulationHook(steps=3)], OPTIMIZERS["sgd"])
+    for batch in make_batches(3):
+        first.train_batch(batch)
+    state = copy.deepcopy(first.state_dict())
+    broken = {**state, "optimizers": {"main": {"state": {}, "param_groups": []}}}  # fails after the weights load
+    resumed = make_strategy([GradientAccumulationHook(steps=3)], OPTIMIZERS["sgd"])
+    resumed.load_state_dict(broken)
+    with pytest.raises(nvtrain.errors.ResumeError):
+        resumed.train_batch(make_batches(1)[0])
+    with pytest.raises(nvtrain.errors.ResumeError):  # not dropped: the retry applies it again, whole
+        resumed.train_batch(make_batches(1)[0])
+    assert resumed.ctx.step_count == 0
