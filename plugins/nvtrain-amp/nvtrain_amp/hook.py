@@ -60,8 +60,8 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     ``precision`` (default ``"auto"``): ``torch.float32`` (no autocast, no scaler),
     ``torch.bfloat16`` (autocast, no scaler), ``torch.float16`` (autocast and a
     GradScaler), as dtypes, as ``"float32"``/``"bfloat16"``/``"float16"`` or as
-    ``"fp32"``/``"bf16"``/``"fp16"``; ``"auto"`` picks bf16 on CUDA and fp32
-    elsewhere once the strategy's device is known. The GradScaler settings are
+    ``"fp32"``/``"bf16"``/``"fp16"``; ``"auto"`` picks bf16 on CUDA (fp16 on a CUDA
+    device without bf16) and fp32 elsewhere once the strategy's device is known. The GradScaler settings are
     used only for fp16.
 
     Autocast is entered at BEFORE_BATCH and left at DO_BACKWARD, before the
