@@ -61,7 +61,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -297,9 +297,12 @@ class _StopwatchEnd:
     def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
         self._stop_if_saved(ctx)
 
-    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST + 1)
-    def after_epoch(self, ctx: nvtrain.TrainingContext) -> None:
+    @nvtrain.hookimpl(wrapper=True, priority=nvtrain.PRIORITY_LAST - 1)
+    def after_epoch(self, ctx: nvtrain.TrainingContext) -> Generator[None, Any, Any]:
+        # CheckpointHook saves an epoch's end in its (innermost) AFTER_EPOCH wrapper, after every plain hook
+        result = yield
         self._stop_if_saved(ctx)
+        return result
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST + 1)
     def after_training(self, ctx: nvtrain.TrainingContext) -> None:

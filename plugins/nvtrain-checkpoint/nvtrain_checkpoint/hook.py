@@ -267,7 +267,7 @@ class CheckpointHook:
             self._after_validation_save = False
             self._save(ctx)
 
-    @nvtrain.hookimpl(wrapper=True)
+    @nvtrain.hookimpl(wrapper=True, priority=nvtrain.PRIORITY_LAST)  # the innermost wrapper: right after the rest
     def after_epoch(self, ctx: nvtrain.TrainingContext) -> Iterator[None]:
         """Save a due epoch-end step (or, with ``epoch_interval``, every N-th completed epoch) once the epoch's
         end-of-epoch work (validation, epoch-interval LR schedules, every AFTER_EPOCH hook) is done.
