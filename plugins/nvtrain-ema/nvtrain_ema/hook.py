@@ -62,8 +62,8 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     #: Average module buffers (e.g. BatchNorm running statistics) as well.
     use_buffers: bool = attrs.field(default=False, validator=strict_bool)
     priority: int = attrs.field(default=50, validator=strict_int)
-    #: EMA updates performed so far (an output, restored from checkpoints).
-    num_updates: int = attrs.field(init=False, default=0, validator=int_at_least(0))
+    #: EMA updates performed so far (an output, restored from checkpoints; read through num_updates).
+    _num_updates: int = attrs.field(init=False, default=0, repr=False)
 
     _averaged: AveragedModel | ShardedAverage | None = attrs.field(init=False, default=None, repr=False)
     _models: Mapping[str, torch.nn.Module] | None = attrs.field(
@@ -88,7 +88,7 @@ class EMAHook(nvtrain.TrainingUpdateHook):
                     assert plan is not None
                 plan.update(self.decay)
                 # A count only this method raises: past the field's validation, which costs six calls.
-                object.__setattr__(self, "num_updates", self.num_updates + 1)
+                object.__setattr__(self, "_num_updates", self._num_updates + 1)
         return True, None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -128,6 +128,11 @@ class EMAHook(nvtrain.TrainingUpdateHook):
 
     # -- checkpoint state ------------------------------------------------------------------
 
+    @property
+    def num_updates(self) -> int:
+        """Updates of the average so far (read only: ``load_state_dict`` restores it)."""
+        return self._num_updates
+
     def state_dict(self) -> dict[str, Any]:
         """``num_updates`` and the AveragedModel's state (weights, buffers, ``n_averaged``)."""
         if self._averaged is not None:
@@ -151,7 +156,7 @@ class EMAHook(nvtrain.TrainingUpdateHook):
             self._load_averaged(self._averaged, averaged)
         else:
             self._pending = None if averaged is None else dict(averaged)
-        self.num_updates = num_updates
+        self._num_updates = num_updates
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -116,6 +116,10 @@ def test_bad_settings_are_refused(kwargs: dict[str, Any], message: str) -> None:
 def test_the_update_count_is_an_output_not_a_setting() -> None:
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'num_updates'"):
         EMAHook(num_updates=3)  # type: ignore[call-arg]
+    hook = EMAHook()
+    with pytest.raises(AttributeError):
+        hook.num_updates = 3  # type: ignore[misc]  # read only, as docs/ema.md says
+    assert hook.num_updates == 0
 
 
 def test_use_buffers_must_be_a_bool() -> None:
