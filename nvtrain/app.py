@@ -1111,7 +1111,7 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
             saved = _saved_checkpoint(plan.hooks)
             code = EXIT_PREEMPTED if saved is not None else EXIT_PREEMPTED_UNSAVED
         if rank == 0:
-            _finish(plan, result, seconds, out, built.watch, saved)
+            _finish(plan, result, seconds, out, built.watch, saved, resumed=built.resume_from is not None)
     finally:
         if manager is not None:
             from nvtrain.distributed import DistributedManager
@@ -1158,7 +1158,14 @@ def _seed_everything(seed: int) -> None:
 
 
 def _finish(
-    plan: Plan, result: Any, seconds: float, out: TextIO, watch: _RunWatch, saved: tuple[int, Path] | None
+    plan: Plan,
+    result: Any,
+    seconds: float,
+    out: TextIO,
+    watch: _RunWatch,
+    saved: tuple[int, Path] | None,
+    *,
+    resumed: bool,
 ) -> None:
     config = plan.config
     metrics_file = plan.run_dir / "metrics.csv"
@@ -1175,8 +1182,8 @@ def _finish(
         f"epoch {epoch + 1}" + (f"/{total}" if total else ""),
         f"{seconds:.1f} s",
     ]
-    if watch.start_step:
-        summary.insert(2, f"resumed at step {watch.start_step}")
+    if watch.start_step:  # from a checkpoint, or from trainer.start_step alone
+        summary.insert(2, f"{'resumed' if resumed else 'started'} at step {watch.start_step}")
     prefix = "val_ema_" if plan.use_ema else "val_"
     for key, value in (result.validation or {}).items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:

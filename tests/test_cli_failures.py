@@ -538,6 +538,14 @@ def test_auto_resume_passes_over_a_corrupt_latest_checkpoint(
     assert "| resumed at step 2 |" in capsys.readouterr().out
 
 
+def test_a_start_step_without_a_checkpoint_is_not_called_a_resume(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", str(job), *sets("trainer.start_step=3", "trainer.max_steps=6")]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "| started at step 3 |" in out and "resumed" not in out
+
+
 def test_an_explicit_corrupt_checkpoint_is_one_line_exit_2(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = first_run(job)
     corrupt(run / "checkpoints" / "step_4" / "state.pt")
