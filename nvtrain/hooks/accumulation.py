@@ -67,6 +67,8 @@ class GradientAccumulationHook(TrainingUpdateHook):
     _position: int = attrs.field(init=False, default=0, repr=False)
     #: place_micro_batch() placed the current micro-batch: its BEFORE_BATCH call must not count it again.
     _placed: bool = attrs.field(init=False, default=False, repr=False, on_setattr=attrs.setters.NO_OP)
+    #: The window position before the placement (to take back one that was never taken up).
+    _placed_at: int = attrs.field(init=False, default=0, repr=False, on_setattr=attrs.setters.NO_OP)
 
     def __call__(self, ctx: TrainingContext, stage: TrainingStage, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
         if stage is _DO_BACKWARD:
@@ -88,7 +90,14 @@ class GradientAccumulationHook(TrainingUpdateHook):
 
     def place_micro_batch(self, ctx: TrainingContext) -> None:
         """Standalone ``train_batch()``: place the coming micro-batch in its window and publish it on ``ctx``,
-        before any BEFORE_BATCH implementation reads the fields."""
+        before any BEFORE_BATCH implementation reads the fields.
+
+        A placement that the orchestrator's BEFORE_BATCH call never took up (an earlier BEFORE_BATCH
+        implementation raised) is taken back first: that micro-batch never reached this hook.
+        """
+        if self._placed:
+            self._position = self._placed_at
+        self._placed_at = self._position
         self._count(ctx)
         self._placed = True
 

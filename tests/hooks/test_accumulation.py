@@ -389,3 +389,26 @@ def test_a_held_state_that_fails_to_apply_is_kept_for_the_retry() -> None:
     with pytest.raises(nvtrain.errors.ResumeError):  # not dropped: the retry applies it again, whole
         resumed.train_batch(make_batches(1)[0])
     assert resumed.ctx.step_count == 0
+
+
+def test_a_micro_batch_that_failed_before_the_orchestrator_is_not_counted_in_the_window() -> None:
+    class FailOnce:
+        priority = 1  # before the orchestrator's BEFORE_BATCH
+
+        def __init__(self) -> None:
+            self.failed = False
+
+        @nvtrain.hookimpl
+        def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
+            if ctx.batch_count == 1 and not self.failed:
+                self.failed = True
+                raise RuntimeError("a transient failure")
+
+    hook = GradientAccumulationHook(steps=2)
+    strategy = make_strategy([hook, FailOnce()], OPTIMIZERS["sgd"])
+    batches = make_batches(3)
+    strategy.train_batch(batches[0])
+    with pytest.raises(RuntimeError, match="transient"):
+        strategy.train_batch(batches[1])
+    strategy.train_batch(batches[1])  # the retry is still the window's second micro-batch
+    assert strategy.ctx.step_count == 1 and hook.state_dict()["position"] == 0
