@@ -40,7 +40,7 @@ import torch
 from nvtrain.config import LoadedConfig, RunConfig, resolve_import_path
 from nvtrain.config.errors import field_of
 from nvtrain.errors import ResumeError, naming_file
-from nvtrain.hook import AccumulatesGradients, AveragesWeights, Hook, ProvidesAutocast, SavesCheckpoints
+from nvtrain.hook import AveragesWeights, Hook, ProvidesAutocast, SavesCheckpoints, accumulating_hook
 from nvtrain.hookspecs import hookimpl
 from nvtrain.validators import FieldProblem
 
@@ -733,8 +733,8 @@ class _Share:
 def _accumulation(plan: Plan) -> int:
     """Micro-batches per optimizer step an accumulation hook sets (1 without one): what the strategy
     takes as the window when ``trainer.global_batch_size`` is left out."""
-    found = [h.accumulation_steps for h in plan.hooks if isinstance(h, AccumulatesGradients)]
-    return found[0] if found else 1
+    hook = accumulating_hook(plan.hooks, strict=False)  # two are refused at the strategy, naming hooks
+    return hook.accumulation_steps if hook is not None else 1
 
 
 def _run_bounds(
@@ -778,10 +778,10 @@ def _check_accumulation(plan: Plan, loader: Any, world: int) -> None:
     """``trainer.global_batch_size`` and an accumulation hook's ``steps`` must agree, as the strategy
     checks in ``run()``: refused here, before anything is written."""
     gbs = plan.config.trainer.global_batch_size
-    found = [(i, h) for i, h in enumerate(plan.hooks) if isinstance(h, AccumulatesGradients)]
-    if gbs is None or not found:
+    hook = accumulating_hook(plan.hooks, strict=False)  # two are refused at the strategy, naming hooks
+    if gbs is None or hook is None:
         return
-    index, hook = found[0]
+    index = next(i for i, h in enumerate(plan.hooks) if h is hook)
     size = getattr(loader, "batch_size", None)
     local = size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else 1
     steps = gbs // (local * world)

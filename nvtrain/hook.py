@@ -28,6 +28,7 @@ __all__ = [
     "Hook",
     "ProvidesAutocast",
     "TrainingUpdateHook",
+    "accumulating_hook",
     "hook_label",
 ]
 
@@ -231,6 +232,17 @@ def may_veto(hook: object, stage: TrainingStage) -> bool:
     if declared is None:
         return stage in VETO_STAGES and stage in stages
     return stage in frozenset(declared)
+
+
+def accumulating_hook(hooks: Iterable[object], *, strict: bool = True) -> AccumulatesGradients | None:
+    """The update hook among ``hooks`` that accumulates gradients (None without one): the one whose
+    ``accumulation_steps`` the step scheduler builds its windows from. At most one may (``strict``:
+    else ValueError; a caller whose composition check names the clash later takes the first)."""
+    found = [h for h in hooks if isinstance(h, TrainingUpdateHook) and isinstance(h, AccumulatesGradients)]
+    if strict and len(found) > 1:
+        names = ", ".join(hook_label(h) for h in found)
+        raise ValueError(f"TrainingStrategy: at most one hook may accumulate gradients, got {names}")
+    return found[0] if found else None
 
 
 def uses_gradients(hook: object) -> bool:

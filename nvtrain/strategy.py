@@ -20,6 +20,7 @@ from nvtrain.hook import (
     AccumulatesGradients,
     SavesCheckpoints,
     TrainingUpdateHook,
+    accumulating_hook,
     hook_label,
 )
 from nvtrain.lr_schedule import LRSchedule, ScheduledLR, plan_schedules
@@ -413,11 +414,7 @@ class TrainingStrategy:
         return bounds[0], bounds[1]
 
     def _accumulation_hook(self) -> AccumulatesGradients | None:
-        hooks = [h for h in self.registry.update_hooks() if isinstance(h, AccumulatesGradients)]
-        if len(hooks) > 1:
-            names = ", ".join(hook_label(h) for h in hooks)
-            raise ValueError(f"TrainingStrategy: at most one hook may accumulate gradients, got {names}")
-        return hooks[0] if hooks else None
+        return accumulating_hook(self.registry.update_hooks())
 
     def _ensure_accumulation(self, scheduler: StepScheduler, hook: AccumulatesGradients | None) -> None:
         """Windows of several micro-batches need the accumulation hook: check it, or register one."""

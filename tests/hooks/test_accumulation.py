@@ -412,3 +412,24 @@ def test_a_micro_batch_that_failed_before_the_orchestrator_is_not_counted_in_the
         strategy.train_batch(batches[1])
     strategy.train_batch(batches[1])  # the retry is still the window's second micro-batch
     assert strategy.ctx.step_count == 1 and hook.state_dict()["position"] == 0
+
+
+def test_only_an_update_hook_sets_the_window_and_only_one_may() -> None:
+    """The strategy and nvtrain train find the accumulating hook by one rule (nvtrain.hook.accumulating_hook)."""
+    from nvtrain.hook import accumulating_hook
+
+    class CountsSteps:  # an observer that happens to have the attribute: it accumulates nothing
+        accumulation_steps = 4
+
+    class Accumulates(nvtrain.TrainingUpdateHook):
+        stages = frozenset({TrainingStage.DO_BACKWARD})
+        accumulation_steps = 2
+
+        def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
+            return True, ctx.loss
+
+    real = GradientAccumulationHook(steps=3)
+    assert accumulating_hook([CountsSteps(), real]) is real
+    assert accumulating_hook([CountsSteps()]) is None
+    with pytest.raises(ValueError, match="at most one hook may accumulate gradients, got GradientAccumulationHook"):
+        accumulating_hook([real, Accumulates()])
