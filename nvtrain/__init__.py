@@ -29,10 +29,12 @@ _LAZY_SUBMODULES = frozenset({"hooks", "plugins", "testing", "validators"})
 def __getattr__(name: str) -> Any:
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"nvtrain.{name}")
-    hooks = importlib.import_module("nvtrain.hooks") if name[:1].isupper() else None
-    if hooks is not None and name in hooks.PLUGIN_HOOK_CLASSES:  # ``from nvtrain import CheckpointHook``, as the reference writes it
-        return getattr(hooks, name)
+    if name[:1].isupper():  # ``from nvtrain import CheckpointHook``, as the reference documents write it
+        hooks = importlib.import_module("nvtrain.hooks")
+        if name in hooks.PLUGIN_HOOK_CLASSES:
+            return getattr(hooks, name)
     raise AttributeError(f"module 'nvtrain' has no attribute {name!r}")
+
 
 __all__ = [
     "PRIORITY_FIRST",

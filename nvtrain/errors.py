@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["ResumeError", "TrainingDivergedError", "disk_full", "naming_file"]
+__all__ = ["ResumeError", "TrainingDivergedError", "disk_full", "first_line", "naming_file", "one_line"]
 
 _DISK_FULL = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
 
@@ -68,3 +68,17 @@ def naming_file(path: str | Path) -> Iterator[None]:
         if err.filename is None or temporary:
             err.filename = str(path)
         raise
+
+
+def one_line(err: BaseException) -> str:
+    """``SyntaxError: '(' was never closed (my_model.py, line 1)``: the error's type and first line."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def first_line(err: BaseException) -> str:
+    """torch's load_state_dict errors span lines (one per tensor); the first mismatch says enough."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if len(lines) <= 2:
+        return " ".join(lines)
+    return f"{lines[0]} {lines[1]} (and {len(lines) - 2} more)"

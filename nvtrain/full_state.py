@@ -10,23 +10,16 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from nvtrain.distributed import unwrap_model
-from nvtrain.errors import ResumeError
+from nvtrain.errors import ResumeError, first_line
 
-__all__ = ["first_line", "full_into_sharded", "load_full_model", "load_full_optimizer"]
-
-
-def first_line(err: BaseException) -> str:
-    """torch's load_state_dict errors span lines (one per tensor); the first mismatch says enough."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    if len(lines) <= 2:
-        return " ".join(lines)
-    return f"{lines[0]} {lines[1]} (and {len(lines) - 2} more)"
+__all__ = ["full_into_sharded", "load_full_model", "load_full_optimizer"]
 
 
 def _dtensor_type() -> type[torch.Tensor] | None:
@@ -34,18 +27,6 @@ def _dtensor_type() -> type[torch.Tensor] | None:
     imports nothing, so plain models pay nothing)."""
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None) if module is not None else None
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor of a nested state (dicts, lists and tuples)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
 
 
 def full_into_sharded(live: Iterable[torch.Tensor], saved: Any) -> bool:
@@ -58,7 +39,7 @@ def full_into_sharded(live: Iterable[torch.Tensor], saved: Any) -> bool:
     dtensor = _dtensor_type()
     if dtensor is None or not any(isinstance(param, dtensor) for param in live):
         return False
-    tensors = list(_tensors(saved))
+    tensors = [leaf for leaf in tree_leaves(saved) if isinstance(leaf, torch.Tensor)]
     return not any(isinstance(t, dtensor) for t in tensors) and any(t.dim() > 0 for t in tensors)
 
 

@@ -110,10 +110,10 @@ class HookRegistry:
         if self._binding is not None:
             new.bind(*self._binding)
         observing = _has_hookimpls(hook)
-        if not observing:
-            refuse_unmarked_stage_methods(hook)
         if observing:
             self.bus.register(hook, getattr(hook, "plugin_name", None))
+        else:
+            refuse_unmarked_stage_methods(hook)
         try:
             self.bus.replace(self._orchestrator, new)
         except Exception:

@@ -27,8 +27,8 @@ import torch
 from nvtrain.data_cursor import is_stateful_dataloader
 from nvtrain.distributed import unwrap_model
 from nvtrain.epoch_reader import loader_generators
-from nvtrain.errors import ResumeError
-from nvtrain.full_state import first_line, full_into_sharded, load_full_model, load_full_optimizer
+from nvtrain.errors import ResumeError, first_line
+from nvtrain.full_state import full_into_sharded, load_full_model, load_full_optimizer
 from nvtrain.hook import CheckpointableHook, hook_label
 from nvtrain.hookspecs import PROJECT_NAME, hookimpl
 from nvtrain.stages import TrainingStage

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nvtrain.errors import one_line
+
 __all__ = ["resolve_import_path"]
 
 
@@ -31,7 +33,7 @@ def resolve_import_path(spec: str, search_dirs: Sequence[Path] = ()) -> Any:
     except ImportError:
         raise
     except (Exception, SystemExit) as err:
-        raise ImportError(f"importing module {module_name!r} for {spec!r} raised {_one_line(err)}") from err
+        raise ImportError(f"importing module {module_name!r} for {spec!r} raised {one_line(err)}") from err
     target: Any = module
     for part in attr_path.split("."):
         try:
@@ -42,12 +44,6 @@ def resolve_import_path(spec: str, search_dirs: Sequence[Path] = ()) -> Any:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise AttributeError(f"{module_name!r} has no attribute {attr_path!r} ({spec!r}){hint}") from None
     return target
-
-
-def _one_line(err: BaseException) -> str:
-    """``SyntaxError: '(' was never closed (my_model.py, line 1)``: the error's type and first line."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def _import_module(name: str, search_dirs: Sequence[Path]) -> Any:

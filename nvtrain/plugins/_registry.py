@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from nvtrain.errors import one_line
 from nvtrain.hookspecs import PROJECT_NAME
 from nvtrain.plugins._describe import HookInfo, describe_hook_class
 from nvtrain.plugins._errors import PluginLoadError
@@ -151,7 +152,7 @@ def _import(record: EntryPointRecord) -> LoadedPlugin | LoadFailure:
     except KeyboardInterrupt:
         raise
     except BaseException as err:  # a sys.exit() at import too: reported by available(), raised by load()
-        return LoadFailure(record, _one_line(err), err)
+        return LoadFailure(record, one_line(err), err)
     classes = getattr(target, HOOKS_ATTRIBUTE, None)
     problem = _check_classes(classes)
     if problem is not None:
@@ -161,7 +162,7 @@ def _import(record: EntryPointRecord) -> LoadedPlugin | LoadFailure:
     try:
         hooks = tuple(describe_hook_class(cls, default=index == 0) for index, cls in enumerate(classes))
     except Exception as err:
-        return LoadFailure(record, _one_line(err), err)
+        return LoadFailure(record, one_line(err), err)
     return LoadedPlugin(record=record, target=target, classes=tuple(classes), hooks=hooks)
 
 
@@ -178,6 +179,3 @@ def _check_classes(classes: object) -> str | None:
     return None
 
 
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
