@@ -220,7 +220,7 @@ class _SaveStopwatch:
 
     The save of a step happens at its AFTER_BATCH, or at the AFTER_VALIDATION / AFTER_EPOCH that
     follows it (a step whose validation follows, or that ends its epoch); each of those stages is
-    timed while the step is unsaved, and the one in which the hook's ``last_checkpoint_index``
+    timed while the step is unsaved, and the one in which the hook's ``last_saved_step``
     moved is logged. On save stages the device queue is drained before the clock starts, as in
     the hand-written loop.
     """
@@ -231,21 +231,22 @@ class _SaveStopwatch:
         self.device, self.every, self.log = device, every, log
         self.started: int | None = None
         self.pending = False
-        self.index_before: int | None = None
+        self.saved_before: int | None = None
         self.stop = _StopwatchEnd(self)
 
     def due(self, ctx: nvtrain.TrainingContext) -> bool:
         return bool(ctx.sync_gradients) and not ctx.step_skipped and ctx.step_count % self.every == 0
 
-    def checkpoint_index(self, ctx: nvtrain.TrainingContext) -> int | None:
+    def saved_step(self, ctx: nvtrain.TrainingContext) -> int | None:
+        """The checkpoint hook's last save taken (set at once, also when an async write goes on)."""
         for hook in strategy_hooks(ctx.strategy):  # type: ignore[arg-type]
-            if hasattr(hook, "last_checkpoint_index"):
-                return hook.last_checkpoint_index  # type: ignore[no-any-return]
+            if hasattr(hook, "last_saved_step"):
+                return hook.last_saved_step  # type: ignore[no-any-return]
         return None
 
     def start(self, ctx: nvtrain.TrainingContext) -> None:
         _drain(self.device)
-        self.index_before = self.checkpoint_index(ctx)
+        self.saved_before = self.saved_step(ctx)
         self.started = time.perf_counter_ns()
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST - 1)
@@ -285,7 +286,7 @@ class _StopwatchEnd:
             return
         elapsed = time.perf_counter_ns() - start.started
         start.started = None
-        if start.checkpoint_index(ctx) != start.index_before:  # the save happened in this stage
+        if start.saved_step(ctx) != start.saved_before:  # the save happened in this stage
             start.log.blocked_ns.append(elapsed)
             start.pending = False
 

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -73,9 +74,10 @@ def test_durable_save_leaves_only_the_published_file(gpu_check: ModuleType, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("batches_per_epoch", [4, 6])
 def test_the_save_stopwatch_times_a_save_wherever_the_hook_writes_it(
-    gpu_check: ModuleType, tmp_path: Path, batches_per_epoch: int
+    gpu_check: ModuleType, tmp_path: Path, batches_per_epoch: int, async_save: bool
 ) -> None:
     """A due step that ends its epoch is saved at AFTER_EPOCH: that stage is timed, not an empty AFTER_BATCH."""
     from nvtrain_checkpoint import CheckpointHook
@@ -86,7 +88,12 @@ def test_the_save_stopwatch_times_a_save_wherever_the_hook_writes_it(
         models=torch.nn.Linear(2, 1),
         optimizers=lambda params: torch.optim.SGD(params, lr=0.1),
         loss_fn=torch.nn.functional.mse_loss,
-        hooks=[CheckpointHook(tmp_path, step_interval=2), stopwatch, stopwatch.stop],
+        # async: the save is taken in the stage, while the write (and last_checkpoint_index) lags behind
+        hooks=[
+            CheckpointHook(tmp_path, step_interval=2, async_save=async_save, async_writer="thread"),
+            stopwatch,
+            stopwatch.stop,
+        ],
         device="cpu",
         num_epochs=2,
     )
@@ -100,8 +107,17 @@ def test_the_save_stopwatch_times_a_save_wherever_the_hook_writes_it(
         real_save(self, ctx)
         took_ns.append(time.perf_counter_ns() - start)
 
+    from nvtrain_checkpoint import storage
+
+    real_write = storage.save_checkpoint
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:  # the background write ends after the stage, always
+        time.sleep(0.05)
+        return real_write(*args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(CheckpointHook, "_save", save)
+        patch.setattr(storage, "save_checkpoint", slow_write)
         strategy.run([(torch.ones(3, 2), torch.zeros(3, 1))] * batches_per_epoch)
     due_saves = [stage for stage in saved_at if stage != "AFTER_TRAINING"]
     assert "AFTER_EPOCH" in due_saves

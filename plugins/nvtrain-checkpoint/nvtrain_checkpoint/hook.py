@@ -76,7 +76,8 @@ class CheckpointHook:
     from the latest complete checkpoint in ``checkpoint_dir`` when there is one) or
     the path of a checkpoint to start from; either applies at the start of a run
     that has not stepped yet. ``last_checkpoint_index`` is the step of the last
-    checkpoint known to be on disk (async: set when the write completes).
+    checkpoint known to be on disk (async: set when the write completes);
+    ``last_saved_step`` the step of the last save taken (async: at once, while it is written).
     """
 
     plugin_name: ClassVar[str] = "checkpoint"
@@ -354,6 +355,12 @@ class CheckpointHook:
         return False
 
     # -- saving ----------------------------------------------------------------------------
+
+    @property
+    def last_saved_step(self) -> int | None:
+        """The step whose state this hook last took for a checkpoint, on disk or (``async_save``) still being
+        written; before the run's first save, the step it started from (None for a fresh start)."""
+        return self._saved_step
 
     def _writes(self, ctx: nvtrain.TrainingContext) -> bool:
         return not self.rank_zero_only or ctx.rank == 0

@@ -119,6 +119,32 @@ def test_an_epoch_end_step_is_saved_even_when_another_after_epoch_hook_raises(
     assert "saving step 18 (the epoch's end) anyway" in caplog.text
 
 
+def test_last_saved_step_is_set_when_the_save_is_taken_and_the_index_when_it_is_on_disk(
+    driver: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    real_write = storage.save_checkpoint
+
+    def held_write(*args: Any, **kwargs: Any) -> Any:  # the background write waits until told to go on
+        release.wait(timeout=30)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "save_checkpoint", held_write)
+    hook = CheckpointHook(tmp_path, step_interval=2, async_save=True, async_writer="thread")
+    seen: list[tuple[int | None, int | None]] = []
+
+    class Watch:
+        @nvtrain.hookimpl
+        def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
+            if ctx.step_count == 2 and not seen:
+                seen.append((hook.last_saved_step, hook.last_checkpoint_index))
+                release.set()
+
+    driver.straight("plain", [hook, Watch()])
+    assert seen == [(2, None)]  # taken at step 2, not on disk yet
+    assert hook.last_saved_step == hook.last_checkpoint_index == 18
+
+
 def test_keep_last_n_in_a_run(driver: ModuleType, tmp_path: Path) -> None:
     hook = CheckpointHook(tmp_path, step_interval=2, keep_last_n=2, async_save=True)
     driver.straight("plain", [hook])
