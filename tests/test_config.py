@@ -341,9 +341,9 @@ HAND_WRITTEN_CHECKS = [
 def test_a_hand_written_check_is_placed_at_its_setting_without_reading_the_message(
     entry: str, field: str, message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import nvtrain.app
+    import nvtrain.app.hook_stack
 
-    monkeypatch.setattr(nvtrain.app, "field_of", lambda err: None)  # the wording fallback, out of the way
+    monkeypatch.setattr(nvtrain.app.hook_stack, "field_of", lambda err: None)  # the wording fallback, out of the way
     err = prepare_error(None, f"hooks=[{entry}]")
     assert err.path == ("hooks", 0, field) and message in str(err)
 

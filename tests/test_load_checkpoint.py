@@ -16,6 +16,8 @@ import torch
 
 import nvtrain
 import nvtrain.app
+import nvtrain.app.checking
+import nvtrain.app.hook_stack
 from nvtrain.cli import main
 from nvtrain.errors import ResumeError
 
@@ -183,13 +185,14 @@ def _doctored(checkpoint: Path, where: Path, **changes: str) -> Path:
 def resolved(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every import path the app resolves, recorded (the real resolver still runs)."""
     calls: list[str] = []
-    real = nvtrain.app.resolve_import_path
+    real = nvtrain.app.checking.resolve_import_path
 
     def recording(spec: str, *args: Any, **kwargs: Any) -> Any:
         calls.append(spec)
         return real(spec, *args, **kwargs)
 
-    monkeypatch.setattr(nvtrain.app, "resolve_import_path", recording)
+    for module in (nvtrain.app.checking, nvtrain.app.hook_stack):  # the config's factories, and hooks by path
+        monkeypatch.setattr(module, "resolve_import_path", recording)
     return calls
 
 

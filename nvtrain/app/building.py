@@ -1,0 +1,399 @@
+"""The second phase: from a checked :class:`~nvtrain.app.Plan` to a strategy ready to run (:func:`build`).
+
+Model, loaders, optimizer, LR scheduler and strategy are built, and the run's
+length and the config's cross-checks that need the loader (accumulation against
+``global_batch_size``, the scheduler's horizon) are settled. Nothing is trained
+or written.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from nvtrain.app.resume_plan import plan_resume
+from nvtrain.app.run_watch import RunWatch
+from nvtrain.config import LoadedConfig, RunConfig
+from nvtrain.hook import SavesCheckpoints, accumulating_hook
+
+if TYPE_CHECKING:
+    from nvtrain.app.checking import Plan
+
+
+@attrs.define
+class Built:
+    """Everything ``train`` builds before the first step: the strategy, its loaders, the resume decision."""
+
+    strategy: Any
+    train_loader: Any
+    watch: RunWatch
+    #: Optimizer steps of the whole run (None when the loader has no len() and no max_steps is set).
+    run_length: int | None
+    #: The checkpoint the run resumes from, its step, and the config changes since it was written.
+    resume_from: Path | None = None
+    resume_step: int = 0
+    changes: list[Any] = attrs.field(factory=list)
+    #: The resolved config as written to ``config.yaml`` (changes of no effect reverted).
+    effective_config: dict[str, Any] = attrs.field(factory=dict)
+
+
+def build(
+    plan: Plan, manager: Any = None, *, strategy_cls: type | None = None, overrides: Mapping[str, Any] | None = None
+) -> Built:
+    """Build model, loaders, optimizer, LR scheduler, hooks and the strategy; decide the resume.
+
+    Nothing is trained and nothing is written. A factory that refuses its arguments
+    (``lr=-1``, ``batch_size=0``), a hook stack that cannot be composed (two
+    mixed-precision hooks), an empty training loader, a corrupt checkpoint to resume
+    from, or a config change a resume cannot honour raises a located
+    :class:`~nvtrain.config.ConfigError`: ``nvtrain validate`` and ``nvtrain train``
+    report it in one line with exit status 2. ``strategy_cls`` and ``overrides`` (constructor
+    arguments that replace the config's) serve ``TrainingStrategy.load_checkpoint``.
+    """
+    from nvtrain.strategy import TrainingStrategy
+    from nvtrain.validation import ValidationConfig
+
+    loaded, config = plan.loaded, plan.config
+    rank = manager.rank if manager is not None else 0
+    world_size = manager.world_size if manager is not None else 1
+    model = _constructing(loaded, ("model",), config.model.factory, lambda: _build_model(plan))
+    if not isinstance(model, torch.nn.Module):
+        raise loaded.error(
+            f"{config.model.factory} returned {type(model).__name__}, not a torch.nn.Module", ("model", "factory")
+        )
+    data = _constructing(loaded, ("data",), config.data.factory, lambda: plan.data_factory(**config.data.kwargs))
+    try:
+        train_loader, val_loader = _split_loaders(data, config.data.factory)
+    except TypeError as err:
+        raise loaded.error(str(err), ("data", "factory")) from None
+    if _length(train_loader) == 0:
+        raise loaded.error(
+            f"{config.data.factory} returned an empty training loader (len() == 0): no batch to train on",
+            ("data",),
+        )
+    try:
+        run_length, run_epochs = _run_bounds(config, train_loader, world_size, accumulation=_accumulation(plan))
+    except ValueError as err:  # the step scheduler's own checks (global_batch_size a multiple of ...)
+        raise loaded.error(str(err), ("trainer",)) from None
+    _check_accumulation(plan, train_loader, world_size)
+    if plan.scheduler_total_steps:
+        _check_horizon(plan, run_length, run_epochs)
+    _check_metric_schedule(plan, val_loader)
+    # The optimizer and scheduler factories, tried once on the model's parameters (the strategy builds
+    # the real ones after SETUP, on the possibly wrapped model): their own checks run here.
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise loaded.error(f"{config.model.factory} built a model with no trainable parameters", ("model",))
+    optimizer = _constructing(loaded, ("optimizer",), config.optimizer.factory, lambda: plan.optimizer_factory(params))
+    fresh: dict[str, dict[str, Any]] = {}
+    holder: dict[str, Any] = {}
+    schedulers = None
+    if plan.scheduler_factory is not None:
+        section = config.lr_scheduler
+        assert section is not None
+        horizon = _horizon(plan, run_length, run_epochs)
+        _constructing(loaded, ("lr_scheduler",), section.factory, lambda: _schedule(plan, horizon)(optimizer))
+        schedulers = _scheduler_factory(plan, holder, fresh)
+    validation = None
+    section_v = config.validation
+    if val_loader is not None:  # the trainer's val_every_steps and validate_on_checkpoint validate as well
+        validation = ValidationConfig(
+            data=val_loader,
+            every_n_steps=section_v.every_n_steps,
+            every_n_epochs=section_v.every_n_epochs,
+            use_mixed_precision=section_v.use_mixed_precision,
+            use_ema=plan.use_ema,
+            metrics=plan.metrics,
+        )
+    strategy = _constructing(
+        loaded,
+        ("hooks",),
+        "the training strategy",
+        lambda: (strategy_cls or TrainingStrategy)(
+            **{
+                "models": model,
+                "optimizers": plan.optimizer_factory,
+                "loss_fn": plan.loss_fn,
+                "lr_schedulers": schedulers,
+                "forward_fn": plan.forward_fn,
+                "hooks": plan.hooks,
+                "device": None if config.device == "auto" else config.device,
+                "validation": validation,
+                "step_scheduler": config.trainer,
+                "distributed_manager": manager,
+                **(overrides or {}),
+            }
+        ),
+    )
+    holder["strategy"] = strategy
+    watch = RunWatch(plan, rank)
+    strategy.register_hook(watch)
+    built = Built(strategy=strategy, train_loader=train_loader, watch=watch, run_length=run_length)
+    plan_resume(plan, built, rank, world_size, fresh)
+    watch.effective_config = built.effective_config
+    return built
+
+
+def _constructing(loaded: LoadedConfig, path: tuple[str | int, ...], what: str, make: Callable[[], Any]) -> Any:
+    """Call ``make``; a ValueError / TypeError it raises becomes one located line naming ``what``."""
+    from nvtrain.config import ConfigError
+
+    try:
+        return make()
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AssertionError) as err:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise loaded.error(f"{what}: {text}", _blame(loaded, path, text)) from None
+
+
+def _blame(loaded: LoadedConfig, path: tuple[str | int, ...], message: str) -> tuple[str | int, ...]:
+    """The most specific config key behind a factory's error: a kwarg the message names, else one
+    the command line just set, else the section."""
+    section: Any = loaded.config
+    for part in path:
+        section = getattr(section, str(part), None)
+    kwargs = getattr(section, "kwargs", None)
+    if not isinstance(kwargs, Mapping):
+        return path
+    for key in kwargs:
+        if re.search(rf"\b{re.escape(str(key))}\b", message):
+            return (*path, "kwargs", key)
+    for key in kwargs:
+        if loaded.locations.get((*path, "kwargs", key), "").startswith("--set"):
+            return (*path, "kwargs", key)
+    return path
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+class _Share:
+    """A stand-in loader of ``batches`` batches: one rank's estimated share, for the step scheduler to count."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+def _accumulation(plan: Plan) -> int:
+    """Micro-batches per optimizer step an accumulation hook sets (1 without one): what the strategy
+    takes as the window when ``trainer.global_batch_size`` is left out."""
+    hook = accumulating_hook(plan.hooks, strict=False)  # two are refused at the strategy, naming hooks
+    return hook.accumulation_steps if hook is not None else 1
+
+
+def _run_bounds(
+    config: RunConfig, loader: Any, world: int, *, per_rank: bool = False, accumulation: int = 1
+) -> tuple[int | None, int | None]:
+    """The run's length in optimizer steps (absolute, like ``max_steps``) and in epochs, as the run's
+    :class:`~nvtrain.StepScheduler` counts them (``total_steps``, ``num_epochs``); None where unknown
+    (a loader without len()).
+
+    ``per_rank``: ``loader`` already yields one rank's share (after SETUP, where the DDP
+    plugin re-samples it); otherwise, under several ranks, the share is estimated as a
+    DistributedSampler cuts it.
+    """
+    trainer = config.trainer
+    batches = _length(loader)
+    local_batch = getattr(loader, "batch_size", None)
+    local = local_batch if isinstance(local_batch, int) and local_batch > 0 else 1
+    counted = loader
+    if batches and world > 1 and not per_rank and not _is_distributed_sampler(getattr(loader, "sampler", None)):
+        samples = _length(getattr(loader, "dataset", None))
+        drop_last = bool(getattr(loader, "drop_last", False))
+        if samples and local_batch:
+            share = math.ceil(samples / world)
+            batches = share // local if drop_last else math.ceil(share / local)
+        else:
+            batches = math.ceil(batches / world)
+        counted = _Share(batches)
+    scheduler = trainer.create(
+        global_batch_size=trainer.global_batch_size or local * world * accumulation,
+        local_batch_size=local,
+        dp_size=world,
+        dataloader=counted,
+        preemption_signal=None,
+        synchronized_stream=bool(getattr(loader, "synchronized_stream", False)),
+    )
+    steps = scheduler.total_steps
+    return (max(1, steps) if steps is not None else None), scheduler.num_epochs
+
+
+def _check_accumulation(plan: Plan, loader: Any, world: int) -> None:
+    """``trainer.global_batch_size`` and an accumulation hook's ``steps`` must agree, as the strategy
+    checks in ``run()``: refused here, before anything is written."""
+    gbs = plan.config.trainer.global_batch_size
+    hook = accumulating_hook(plan.hooks, strict=False)  # two are refused at the strategy, naming hooks
+    if gbs is None or hook is None:
+        return
+    index = next(i for i, h in enumerate(plan.hooks) if h is hook)
+    size = getattr(loader, "batch_size", None)
+    local = size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else 1
+    steps = gbs // (local * world)
+    if hook.accumulation_steps == steps:
+        return
+    name = getattr(hook, "plugin_name", type(hook).__name__)
+    setting = ".steps" if hasattr(hook, "steps") else ""
+    where = f"hooks[{index}]{setting} ({name})" if index < len(plan.config.hooks) else f"the {name} hook"
+    raise plan.loaded.error(
+        f"global_batch_size={gbs} with a local batch size of {local} (the training loader's) and {world} "
+        f"process(es) means {steps} micro-batch(es) per optimizer step, but {where} accumulates over "
+        f"{hook.accumulation_steps}; drop one of them or make them agree",
+        ("trainer", "global_batch_size"),
+    )
+
+
+def _check_metric_schedule(plan: Plan, val_loader: Any) -> None:
+    """A plateau / ``monitor`` LR scheduler steps only after validations: refuse a run that never validates."""
+    section = plan.config.lr_scheduler
+    if section is None or plan.scheduler_factory is None:
+        return
+    target = getattr(plan.scheduler_factory, "func", plan.scheduler_factory)
+    plateau = isinstance(target, type) and issubclass(target, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if section.monitor is None and not plateau:
+        return
+    if val_loader is None:
+        why = f"{plan.config.data.factory} returns no validation loader"
+    elif not _validates(plan):
+        why = (
+            "no validation cadence is set (validation.every_n_steps and every_n_epochs are null, "
+            "and so is trainer.val_every_steps)"
+        )
+    else:
+        return
+    raise plan.loaded.error(
+        f"{section.factory} is stepped after each validation with validation value {section.monitor or 'loss'!r}, "
+        f"but the run never validates: {why}; validate, or use a step or epoch schedule",
+        ("lr_scheduler", "monitor"),
+    )
+
+
+def _validates(plan: Plan) -> bool:
+    """Whether some cadence validates during the run (given a validation loader)."""
+    section, trainer = plan.config.validation, plan.config.trainer
+    epochs = section.every_n_epochs
+    if epochs == "auto":
+        epochs = 1 if section.every_n_steps is None else None
+    on_checkpoint = trainer.validate_on_checkpoint and any(isinstance(h, SavesCheckpoints) for h in plan.hooks)
+    return bool(section.every_n_steps or epochs or trainer.val_every_steps or on_checkpoint)
+
+
+def _check_horizon(plan: Plan, steps: int | None, epochs: int | None) -> None:
+    """The scheduler's horizon (``T_max`` / ``total_steps`` left out) must be known and longer than the warmup."""
+    section = plan.config.lr_scheduler
+    assert section is not None
+    names = " / ".join(plan.scheduler_total_steps)
+    if section.interval == "epoch":
+        length, unit = epochs, "epochs"
+        unknown = "the run's epoch count is unknown; set trainer.num_epochs"
+    else:
+        length, unit = steps, "optimizer steps"
+        unknown = "the run's step count is unknown (the training loader has no len()); set trainer.max_steps"
+    if length is None:
+        raise plan.loaded.error(f"{unknown} or give {names} in lr_scheduler.kwargs", ("lr_scheduler",))
+    if section.warmup_steps >= length:
+        raise plan.loaded.error(
+            f"warmup_steps={section.warmup_steps} leaves no {unit} for {section.factory}: the run has {length} "
+            f"{unit}; lower warmup_steps or give {names} in lr_scheduler.kwargs",
+            ("lr_scheduler", "warmup_steps"),
+        )
+
+
+def _horizon(plan: Plan, steps: int | None, epochs: int | None) -> dict[str, int]:
+    """``T_max`` / ``total_steps`` the kwargs leave out: the run's length in the schedule's interval
+    (optimizer steps, or epochs), less the warmup."""
+    section = plan.config.lr_scheduler
+    if section is None or not plan.scheduler_total_steps:
+        return {}
+    length = epochs if section.interval == "epoch" else steps
+    return {name: max(1, (length or 1) - section.warmup_steps) for name in plan.scheduler_total_steps}
+
+
+def _build_model(plan: Plan) -> Any:
+    """The model factory's result; with ``model.init_device: meta``, built without memory for FSDP to shard."""
+    section = plan.config.model
+    if section.init_device != "meta":
+        return plan.model_factory(**section.kwargs)
+    if not any(getattr(hook, "materializes_meta_models", False) for hook in plan.hooks):
+        raise plan.loaded.error(
+            "model.init_device: meta builds a model with no weights, which a hook must allocate and initialise; "
+            "add the fsdp hook (hooks: [fsdp]), which does so for each rank's shards, or drop init_device",
+            ("model", "init_device"),
+        )
+    with torch.device("meta"):
+        return plan.model_factory(**section.kwargs)
+
+
+def _schedule(plan: Plan, horizon: Mapping[str, int]) -> Callable[[torch.optim.Optimizer], Any]:
+    """``optimizer -> scheduler``: the configured factory with its horizon, behind a warmup when
+    ``warmup_steps`` is set (how it is stepped, ``interval`` or ``monitor``, is :func:`_scheduler_factory`'s)."""
+    from nvtrain.schedules import warmup
+
+    section = plan.config.lr_scheduler
+    assert section is not None and plan.scheduler_factory is not None
+    factory = functools.partial(plan.scheduler_factory, **horizon) if horizon else plan.scheduler_factory
+    if section.warmup_steps:
+        factory = warmup(factory, section.warmup_steps)
+    return factory
+
+
+def _is_distributed_sampler(sampler: Any) -> bool:
+    return isinstance(sampler, torch.utils.data.distributed.DistributedSampler)
+
+
+def _split_loaders(result: Any, spec: str) -> tuple[Any, Any]:
+    """Accept ``(train, val)``, ``{"train": ..., "validation": ...}`` or a lone train loader."""
+    if isinstance(result, Mapping):
+        unknown = set(result) - {"train", "validation", "val"}
+        if "train" not in result or unknown:
+            raise TypeError(
+                f"{spec} returned a mapping with keys {sorted(result)}; expected 'train' and optionally 'validation'"
+            )
+        return result["train"], result.get("validation", result.get("val"))
+    if isinstance(result, (tuple, list)):
+        if len(result) != 2:
+            raise TypeError(f"{spec} returned {len(result)} items; expected (train, validation)")
+        return result[0], result[1]
+    return result, None
+
+
+def _scheduler_factory(plan: Plan, holder: Mapping[str, Any], fresh: dict[str, dict[str, Any]]) -> Any:
+    """An :class:`~nvtrain.LRSchedule` that builds the LR scheduler when the strategy asks (after SETUP),
+    with the run's length filled in from the loader the strategy holds then (re-sampled per rank under DDP).
+
+    The state it starts with is kept in ``fresh``: a resume that restores an older
+    schedule takes the new horizon from it.
+    """
+    from nvtrain.lr_schedule import LRSchedule
+
+    section = plan.config.lr_scheduler
+    assert section is not None and plan.scheduler_factory is not None
+
+    def make(optimizer: torch.optim.Optimizer) -> Any:
+        horizon: dict[str, int] = {}
+        if plan.scheduler_total_steps:
+            ctx = holder["strategy"].ctx
+            steps, epochs = _run_bounds(
+                plan.config, ctx.train_loader, ctx.world_size, per_rank=True, accumulation=_accumulation(plan)
+            )
+            horizon = _horizon(plan, steps, epochs)
+        scheduler = _schedule(plan, horizon)(optimizer)
+        fresh["main"] = copy.deepcopy(scheduler.state_dict())
+        return scheduler
+
+    return LRSchedule(make, interval=section.interval, monitor=section.monitor)

@@ -1,0 +1,168 @@
+"""The hooks a config names, built: built-in names, installed plugins, import paths, and the logging hooks.
+
+Each is constructed through the plugin machinery, so an unknown or refused setting
+becomes a located config error that names the hook and the setting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from nvtrain.config import LoadedConfig, resolve_import_path
+from nvtrain.config.errors import field_of
+from nvtrain.validators import FieldProblem
+
+#: Hook constructor parameters that name an output location, and where they default to in the run directory.
+_OUTPUT_PARAMETERS = {"checkpoint_dir": "checkpoints", "output_dir": None, "log_dir": None}
+
+
+def signature_parameters(target: Any) -> Mapping[str, inspect.Parameter]:
+    """``target``'s parameters by name; empty for a builtin without a signature (nothing to check)."""
+    try:
+        return inspect.signature(target).parameters
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return {}
+
+
+def builtin_hook_classes() -> dict[str, type]:
+    """Built-in hooks a config can name, by their ``plugin_name`` (``clip``, ``accumulate``...)."""
+    import nvtrain.hooks as builtin
+
+    classes: dict[str, type] = {}
+    for class_name in builtin.__all__:
+        cls = getattr(builtin, class_name)
+        name = getattr(cls, "plugin_name", None)
+        if isinstance(name, str):
+            classes[name] = cls
+    return classes
+
+
+def build_hooks(loaded: LoadedConfig, search: Sequence[Path]) -> list[object]:
+    from nvtrain import plugins
+
+    builtin = builtin_hook_classes()
+    listed = plugins.available()
+    installed = {info.name for info in listed if info.status != plugins.PluginStatus.MISSING}
+    missing = sorted(info.name for info in listed if info.status == plugins.PluginStatus.MISSING)
+    hooks = []
+    for index, entry in enumerate(loaded.config.hooks):
+        path = ("hooks", index)
+        name, settings = entry.name, dict(entry.settings)
+        plugin = name.partition(":")[0]
+        if name in builtin:
+            cls = builtin[name]
+            settings = _default_outputs(cls, settings, loaded.config.run_dir, name)
+            hooks.append(_construct(loaded, path, name, functools.partial(plugins_build, cls, settings, name)))
+        elif plugin in installed:
+            hooks.append(load_plugin(loaded, name, settings, path))
+        elif ":" in name:
+            try:
+                cls = resolve_import_path(name, search)
+            except (ImportError, AttributeError) as err:
+                raise loaded.error(str(err), (*path, "name")) from None
+            settings = _default_outputs(cls, settings, loaded.config.run_dir, name.rpartition(":")[2])
+            hooks.append(_construct(loaded, path, name, functools.partial(plugins_build, cls, settings, name)))
+        else:
+            raise loaded.error(_unknown_hook(name, builtin, installed, missing), (*path, "name"))
+    return hooks
+
+
+def _unknown_hook(name: str, builtin: Mapping[str, type], installed: set[str], missing: Sequence[str]) -> str:
+    """Why ``name`` names no hook: a typo, or a plugin the ``NVTRAIN_PLUGINS`` allow-list hides."""
+    from nvtrain.plugins import ALLOW_LIST_ENV, allow_list
+
+    allowed = allow_list()
+    if allowed is not None and name in {record.name for record in installed_entry_points()}:
+        return (
+            f"hook {name!r} is an installed plugin that {ALLOW_LIST_ENV}={','.join(allowed)} does not allow "
+            f"(add it to {ALLOW_LIST_ENV}, or unset it)"
+        )
+    known = sorted({*builtin, *installed})
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    not_installed = f"; named in {ALLOW_LIST_ENV} but not installed: {', '.join(missing)}" if missing else ""
+    return (
+        f"unknown hook {name!r}{hint} (installed plugins: {', '.join(sorted(installed)) or 'none'}{not_installed}; "
+        f"built-in hooks: {', '.join(sorted(builtin))}; or an import path 'package.module:HookClass')"
+    )
+
+
+def installed_entry_points() -> Sequence[Any]:
+    from nvtrain.plugins import entry_points
+
+    return entry_points()
+
+
+def plugins_build(cls: type, settings: Mapping[str, Any], name: str) -> Any:
+    """Build a built-in or import-path hook the way plugins are built (unknown settings named)."""
+    from nvtrain.plugins import build_hook
+
+    return build_hook(cls, settings, label=f"hook {name!r}")
+
+
+def load_plugin(
+    loaded: LoadedConfig,
+    name: str,
+    settings: dict[str, Any],
+    path: tuple[str | int, ...],
+    for_what: str | None = None,
+) -> Any:
+    from nvtrain import plugins
+
+    try:
+        cls = plugins.hook_class(name)
+    except plugins.PluginError as err:
+        why = f"{for_what} needs plugin {name!r}: " if for_what else ""
+        raise loaded.error(f"{why}{err}", path) from None
+    settings = _default_outputs(cls, settings, loaded.config.run_dir, name.partition(":")[0])
+    return _construct(loaded, path, name, lambda: plugins.load(name, **settings))
+
+
+def _construct(loaded: LoadedConfig, path: tuple[str | int, ...], name: str, build: Callable[[], Any]) -> Any:
+    from nvtrain.plugins import PluginError, PluginSettingsError
+
+    try:
+        return build()
+    except PluginError as err:
+        unknown = err.unknown if isinstance(err, PluginSettingsError) else ()
+        raise loaded.error(str(err), (*path, unknown[0]) if unknown else path) from None
+    except FieldProblem as err:  # the hook's own validators and converters say which field refused what
+        raise loaded.error(f"hook {name!r}: {err}", (*path, err.field) if err.field else path) from None
+    except (TypeError, ValueError) as err:  # a hook from elsewhere whose checks raise plain errors
+        field = field_of(err)
+        raise loaded.error(f"hook {name!r}: {err}", (*path, field) if field else path) from None
+
+
+def _default_outputs(cls: type, settings: dict[str, Any], run_dir: Path, name: str) -> dict[str, Any]:
+    """Output locations a hook takes but the config leaves out go inside the run directory."""
+    parameters = signature_parameters(cls)
+    for parameter, folder in _OUTPUT_PARAMETERS.items():
+        if parameter in parameters and parameter not in settings:
+            settings[parameter] = str(run_dir / (folder or name))
+    return settings
+
+
+def run_logging_hooks(loaded: LoadedConfig) -> list[object]:
+    from nvtrain.logging_hooks import CSVLoggerHook, ProgressBarHook, TensorBoardHook, tensorboard_available
+
+    section = loaded.config.logging
+    run_dir = loaded.config.run_dir
+    every = section.log_every_n_steps
+    hooks: list[object] = []
+    if section.progress_bar:
+        hooks.append(ProgressBarHook(log_every_n_steps=every))
+    if section.csv:
+        hooks.append(CSVLoggerHook(run_dir / "metrics.csv", log_every_n_steps=every))
+    elif section.plot:
+        raise loaded.error("plot needs the metrics file: set logging.csv to true or plot to false", ("logging", "plot"))
+    if section.tensorboard is True or (section.tensorboard == "auto" and tensorboard_available()):
+        try:
+            hooks.append(TensorBoardHook(run_dir / "tensorboard"))  # the step scheduler's log_remote_every_steps
+        except ImportError as err:
+            raise loaded.error(str(err), ("logging", "tensorboard")) from None
+    return hooks

@@ -1,0 +1,76 @@
+"""Which checkpoint a run resumes from, and what the config changed since it was written."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nvtrain.errors import ResumeError
+
+if TYPE_CHECKING:
+    from nvtrain.app.building import Built
+    from nvtrain.app.checking import Plan
+
+
+def plan_resume(plan: Plan, built: Built, rank: int, world_size: int, fresh: Mapping[str, dict[str, Any]]) -> None:
+    """Find the checkpoint the run will resume from and compare its config with this one."""
+    from nvtrain.config import converter
+    from nvtrain.resuming import REFUSED, ResumeAdjuster, config_changes, in_effect
+
+    loaded = plan.loaded
+    now = _plain(converter().unstructure(plan.config))
+    built.effective_config = now
+    # the checkpoint plugin's hooks (resume_checkpoint, read_manifest, run_config)
+    hooks: list[Any] = [h for h in plan.hooks if callable(getattr(h, "resume_checkpoint", None))]
+    for resumer in hooks:
+        resumer.run_config = now  # stored in each manifest
+    if not hooks:
+        return
+    hook = hooks[0]
+    index = plan.hooks.index(hook)
+    try:
+        path = hook.resume_checkpoint(rank, world_size)
+        manifest = hook.read_manifest(path) if path is not None else None
+    except ResumeError as err:
+        raise loaded.error(f"cannot resume: {err}", ("hooks", index, "resume")) from None
+    if path is None or manifest is None:
+        return
+    step = int(manifest.get("step", 0))
+    built.resume_from, built.resume_step = Path(path), step
+    saved = manifest.get("run_config")
+    if not isinstance(saved, dict):
+        saved = _saved_config_file(plan.run_dir)
+    if saved is None:
+        return
+    changes = config_changes(saved, now, derives_horizon=bool(plan.scheduler_total_steps))
+    refused = [c for c in changes if c.effect == REFUSED]
+    if refused:
+        raise loaded.error(
+            f"cannot resume from {path} with this config: "
+            + "; ".join(c.describe() for c in refused)
+            + ". Start a fresh run (another name, or the checkpoint hook's resume: never)",
+            tuple(refused[0].key.replace("[", ".").replace("]", "").split(".")),
+        )
+    built.changes = changes
+    built.effective_config = in_effect(saved, now, changes)
+    adjust = [c for c in changes if c.effect != REFUSED]
+    if adjust:
+        built.strategy.register_hook(ResumeAdjuster(adjust, fresh, step))
+
+
+def _plain(data: Any) -> Any:
+    """JSON-compatible data (tuples to lists, other objects to str): what a manifest can hold."""
+    import json
+
+    return json.loads(json.dumps(data, default=str))
+
+
+def _saved_config_file(run_dir: Path) -> dict[str, Any] | None:
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    return _plain(data) if isinstance(data, dict) else None

@@ -1,0 +1,177 @@
+"""The last phase of ``nvtrain train``: :func:`train` builds, writes the run directory, trains and reports."""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+import torch
+
+from nvtrain.app.building import Built, build
+from nvtrain.app.checking import Plan, env_world_size
+from nvtrain.app.run_watch import RunWatch
+from nvtrain.app.status import EXIT_OK, EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
+from nvtrain.errors import ResumeError
+from nvtrain.hook import SavesCheckpoints
+
+logger = logging.getLogger("nvtrain.app")
+
+
+@attrs.frozen
+class TrainOutcome:
+    """What :func:`train` reports besides the exit status."""
+
+    exit_code: int
+    run_dir: Path
+    result: Any
+    seconds: float
+
+
+def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
+    """Build everything, then (only then) write the run directory, train, plot; return the exit status.
+
+    Under torchrun (``WORLD_SIZE > 1``) the process group is set up here and torn
+    down at the end; only rank 0 writes the config, the metrics and the plot, and
+    prints. Construction errors raise :class:`~nvtrain.config.ConfigError` before
+    anything is written; a diverged run raises
+    :class:`~nvtrain.errors.TrainingDivergedError`.
+    """
+    out = out if out is not None else sys.stdout
+    config = plan.config
+    manager = None
+    if env_world_size() > 1:
+        from nvtrain.distributed import DeviceAssignmentError, DistributedManager
+
+        try:  # the config's device decides the backend: device=cpu trains with gloo where GPUs are visible
+            manager = DistributedManager.initialize(device=config.device)
+        except DeviceAssignmentError as err:
+            raise plan.loaded.error(str(err), ("device",)) from None
+    rank = manager.rank if manager is not None else 0
+    started = time.perf_counter()
+    try:
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
+        _seed_everything(config.seed + rank)
+        built = build(plan, manager)
+        if built.resume_from is not None and built.run_length is not None and built.resume_step >= built.run_length:
+            if rank == 0:
+                print(
+                    f"run {plan.run_dir} | already at step {built.resume_step} ({built.resume_from}), nothing to "
+                    f"train (the run ends at step {built.run_length}: raise trainer.max_steps or num_epochs)",
+                    file=out,
+                    flush=True,
+                )
+            built.strategy.close()
+            return TrainOutcome(exit_code=EXIT_OK, run_dir=plan.run_dir, result=None, seconds=0.0)
+        if rank == 0:
+            _announce(plan, built)
+        strategy = built.strategy
+        with strategy:
+            try:
+                result = strategy.run(built.train_loader)
+            except ResumeError as err:
+                raise plan.loaded.error(f"cannot resume: {_with_model_changes(str(err), built)}", ("hooks",)) from None
+        seconds = time.perf_counter() - started
+        code = EXIT_OK
+        saved = None
+        if result.preempted:
+            saved = _saved_checkpoint(plan.hooks)
+            code = EXIT_PREEMPTED if saved is not None else EXIT_PREEMPTED_UNSAVED
+        if rank == 0:
+            _finish(plan, result, seconds, out, built.watch, saved, resumed=built.resume_from is not None)
+    finally:
+        if manager is not None:
+            from nvtrain.distributed import DistributedManager
+
+            DistributedManager.cleanup()
+    return TrainOutcome(exit_code=code, run_dir=plan.run_dir, result=result, seconds=seconds)
+
+
+def _announce(plan: Plan, built: Built) -> None:
+    """Rank 0's messages before the first step: a preemption that would save nothing, resume changes."""
+    signals = plan.config.trainer.preemption_signal
+    if signals and not any(isinstance(h, SavesCheckpoints) for h in plan.hooks):
+        names = ", ".join(str(s) for s in (signals if isinstance(signals, tuple) else (signals,)))
+        logger.warning(
+            "a preemption signal (%s) will stop the run but nothing will be saved: add the checkpoint hook "
+            "(hooks: [checkpoint]) to resume after one",
+            names,
+        )
+    if built.resume_from is not None and built.changes:
+        logger.info("resuming from %s with a changed config:", built.resume_from)
+        for change in built.changes:
+            logger.info("  %s", change.describe())
+
+
+def _with_model_changes(message: str, built: Built) -> str:
+    model = [c.describe() for c in built.changes if c.key.startswith("model.")]
+    return message + (f" (model config changed since the checkpoint: {'; '.join(model)})" if model else "")
+
+
+def _saved_checkpoint(hooks: Sequence[object]) -> tuple[int, Path] | None:
+    """The newest checkpoint a checkpoint hook reports complete on disk (its ``last_saved``), or None."""
+    found = [saved for h in hooks if isinstance(h, SavesCheckpoints) and (saved := h.last_saved) is not None]
+    return max(found, key=lambda item: item[0]) if found else None
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed % 2**32)
+
+
+def _finish(
+    plan: Plan,
+    result: Any,
+    seconds: float,
+    out: TextIO,
+    watch: RunWatch,
+    saved: tuple[int, Path] | None,
+    *,
+    resumed: bool,
+) -> None:
+    config = plan.config
+    metrics_file = plan.run_dir / "metrics.csv"
+    if config.logging.plot and config.logging.csv and metrics_file.exists():
+        from nvtrain.plotting import PLOT_NAME, plot_metrics, read_metrics
+
+        if read_metrics(metrics_file):
+            plot_metrics(metrics_file, plan.run_dir / PLOT_NAME, title=config.name)
+    epoch = watch.last_step_epoch if watch.last_step_epoch is not None else result.epoch
+    total = config.trainer.num_epochs
+    summary = [
+        f"run {plan.run_dir}",
+        f"step {result.step_count}",
+        f"epoch {epoch + 1}" + (f"/{total}" if total else ""),
+        f"{seconds:.1f} s",
+    ]
+    if watch.start_step:  # from a checkpoint, or from trainer.start_step alone
+        summary.insert(2, f"{'resumed' if resumed else 'started'} at step {watch.start_step}")
+    prefix = "val_ema_" if plan.use_ema else "val_"
+    for key, value in (result.validation or {}).items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            summary.append(f"{prefix}{key} {value.item():.4f}")
+    if result.preempted:
+        if saved is not None:
+            summary.append(
+                f"preempted: checkpoint saved at step {saved[0]} ({saved[1]}), rerun to resume "
+                f"(exit status {EXIT_PREEMPTED})"
+            )
+        else:
+            summary.append(
+                f"preempted: nothing was saved (no checkpoint hook), a rerun starts from step 0 "
+                f"(exit status {EXIT_PREEMPTED_UNSAVED})"
+            )
+    elif result.stop_reason is not None:
+        summary.append(f"stopped early: {result.stop_reason}")
+    print(" | ".join(summary), file=out, flush=True)
