@@ -332,9 +332,11 @@ class TrainingStrategy:
                 if not scheduler.is_last_step:  # a signal or stop request during validation ends the run here
                     scheduler.poll_preemption()
                     ctx.preempted = scheduler.sigterm_received
+        # An epoch cut short (max_steps, a stop request, a preemption) is not a completed one: no
+        # epoch-end validation, as ``every_n_epochs`` counts completed epochs and a checkpoint of the
+        # last step (taken at AFTER_BATCH, see _validation_follows) could not hold what it changed.
         epoch_completed = scheduler.epoch > epoch
-        stopped_early = scheduler.stop_reason is not None and not epoch_completed
-        if not scheduler.sigterm_received and not stopped_early and validated_at != ctx.step_count:
+        if epoch_completed and not scheduler.sigterm_received and validated_at != ctx.step_count:
             self._maybe_validate_on_epoch()
         if epoch_completed:
             self._step_schedules("epoch")

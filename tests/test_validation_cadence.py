@@ -70,6 +70,30 @@ def test_the_epoch_cadence_is_an_int_none_or_auto(
     assert _validated(make_strategy, batches, **settings) == expected
 
 
+@pytest.mark.parametrize(("max_steps", "expected"), [(6, [4]), (4, [4]), (3, []), (8, [4, 8])])
+def test_an_epoch_cut_short_by_max_steps_gets_no_epoch_end_validation(
+    make_strategy: Any, batches: Any, max_steps: int, expected: list[int]
+) -> None:
+    """``every_n_epochs`` counts completed epochs: a run ending at ``max_steps`` inside an epoch does not
+    validate that epoch (a checkpoint of its last step is taken before any validation could run)."""
+    config = nvtrain.StepSchedulerConfig(ckpt_every_steps=None, max_steps=max_steps)
+    assert _validated(make_strategy, batches, every_n_epochs=1, step_scheduler=config, epochs=3) == expected
+
+
+def test_continuing_a_cut_epoch_validates_it_once_when_it_completes(make_strategy: Any, batches: Any) -> None:
+    """A second ``run()`` with a larger ``max_steps`` validates as one straight run does: once per completed
+    epoch, and nothing extra where the first run stopped."""
+    watch = ValidationSteps()
+    config = nvtrain.StepSchedulerConfig(ckpt_every_steps=None, max_steps=6)
+    validation = nvtrain.ValidationConfig(data=batches(2), every_n_epochs=1)
+    strategy = make_strategy([watch], validation=validation, step_scheduler=config, num_epochs=3)
+    loader = batches(4)
+    strategy.run(loader)
+    strategy.step_scheduler = attrs.evolve(config, max_steps=12)
+    strategy.run(loader)
+    assert watch.steps == [4, 8, 12]
+
+
 @pytest.mark.parametrize("value", [0, -1, True, "always", 1.0])
 def test_a_bad_epoch_cadence_is_refused(value: Any) -> None:
     with pytest.raises(ValueError, match=r"ValidationConfig.every_n_epochs must be an int >= 1, None .* \(got"):
