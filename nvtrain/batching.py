@@ -1,20 +1,25 @@
-"""What a batch holds, read from shapes only (no device access): one owner for the loop and the loggers."""
+"""What a batch holds and how it reaches the device, read from its structure only: one owner for the
+loop, the validation and the loggers."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
+import attrs
 import torch
 
-__all__ = ["batch_size"]
+__all__ = ["batch_size", "device_mover"]
 
 
 def batch_size(batch: Any) -> int:
     """Samples in a micro-batch: the first dimension of its first tensor.
 
-    A tensor gives its first dimension (1 for a scalar); a mapping or a sequence gives
-    its first value's size (0 for an empty mapping); anything else counts as one sample.
+    A tensor gives its first dimension (1 for a scalar); a mapping, a sequence, a
+    dataclass or an attrs instance gives its first value's size (0 for an empty
+    mapping); anything else counts as one sample.
     """
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
@@ -24,4 +29,62 @@ def batch_size(batch: Any) -> int:
         return 0
     if isinstance(batch, (tuple, list)) and batch:
         return batch_size(batch[0])
+    fields = _record_fields(batch)
+    if fields:
+        return batch_size(getattr(batch, fields[0]))
     return 1
+
+
+def device_mover(device: torch.device) -> Callable[[Any], Any]:
+    """``move(batch)``: a copy of ``batch`` with every tensor on ``device`` (``non_blocking``), keeping its types.
+
+    Tensors move; mappings keep their class (``OrderedDict``, ``defaultdict``, a
+    ``UserDict`` such as a tokenizer's ``BatchEncoding``), named tuples their fields,
+    lists and tuples their type; a dataclass or attrs instance is copied with its fields
+    moved; any other object with a ``to()`` method (a graph batch, say) is moved by
+    ``obj.to(device)``. Everything else is passed through as it is.
+    """
+
+    def move(batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return batch.to(device, non_blocking=True)
+        if isinstance(batch, Mapping):
+            moved = {key: move(value) for key, value in batch.items()}
+            return moved if type(batch) is dict else _same_mapping(batch, moved)
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple: rebuilt by position
+            return type(batch)(*(move(value) for value in batch))
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(move(value) for value in batch)
+        fields = _record_fields(batch)
+        if fields:
+            copied = copy.copy(batch)
+            for name in fields:  # frozen and slotted classes included: what the class's own __init__ would set
+                object.__setattr__(copied, name, move(getattr(batch, name)))
+            return copied
+        to = getattr(batch, "to", None)
+        if callable(to) and not isinstance(batch, type):
+            return to(device)
+        return batch
+
+    return move
+
+
+def _same_mapping(original: Mapping[Any, Any], moved: dict[Any, Any]) -> Any:
+    """``moved`` in ``original``'s mapping class: a shallow copy updated in place, so classes whose constructor
+    takes other arguments (``defaultdict``'s factory) keep them; a read-only mapping becomes a dict."""
+    if not isinstance(original, MutableMapping):
+        return moved
+    copied = copy.copy(original)
+    copied.update(moved)
+    return copied
+
+
+def _record_fields(batch: Any) -> tuple[str, ...]:
+    """Field names of a dataclass or attrs instance (not of the class itself); empty for anything else."""
+    if isinstance(batch, type):
+        return ()
+    if dataclasses.is_dataclass(batch):
+        return tuple(field.name for field in dataclasses.fields(batch))
+    if attrs.has(type(batch)):
+        return tuple(field.name for field in attrs.fields(type(batch)))
+    return ()

@@ -13,7 +13,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from nvtrain.batching import batch_size
+from nvtrain.batching import batch_size, device_mover
 from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
 from nvtrain.hook import (
@@ -225,7 +225,7 @@ class TrainingStrategy:
         self.ctx = TrainingContext(
             strategy=self, models=dict(self.models), device=self.device, rank=rank, world_size=world_size
         )
-        self._move_batch = _identity if self.device.type == "cpu" else _mover(self.device)
+        self._move_batch = _identity if self.device.type == "cpu" else device_mover(self.device)
         self.registry = HookRegistry(self.hooks)
 
     # -- registration -------------------------------------------------------------------
@@ -835,19 +835,6 @@ def _split_pair(batch: Any) -> tuple[Any, Any]:
 
 def _identity(batch: Any) -> Any:
     return batch
-
-
-def _mover(device: torch.device) -> Callable[[Any], Any]:
-    def move(batch: Any) -> Any:
-        if isinstance(batch, torch.Tensor):
-            return batch.to(device, non_blocking=True)
-        if isinstance(batch, Mapping):
-            return {key: move(value) for key, value in batch.items()}
-        if isinstance(batch, (tuple, list)):
-            return type(batch)(move(value) for value in batch)
-        return batch
-
-    return move
 
 
 def _rank_and_world_size(manager: Any) -> tuple[int, int]:
