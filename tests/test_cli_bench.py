@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 
 from nvtrain.cli import main
 from nvtrain.commands import bench_stack
-from nvtrain.commands.bench import add_arguments
+from nvtrain.commands.bench import add_arguments, device_problem, stack_builder
 from nvtrain.stages import BATCH_STAGES, TrainingStage
 
 TINY = ["--quick", "--json", "--steps", "4", "--rounds", "1"]
@@ -133,6 +134,103 @@ def test_config_hooks_are_built_like_a_run_and_write_nothing_in_place(
     assert not runs.exists()  # the run directory went to a temporary folder
     code, _, err = bench(capsys, *TINY, "--config", str(config), "--set", "hooks.ema.decay=2")
     assert code == 2 and "EMAHook.decay" in err
+
+
+DIGITS_JOB = """\
+model: {factory: 'nvtrain.builtin.digits:make_classifier'}
+data: {factory: 'nvtrain.builtin.digits:make_loaders'}
+device: cpu
+hooks:
+  - {name: checkpoint, checkpoint_dir: my_ckpts, step_interval: 10, resume: auto}
+"""
+
+
+def test_config_output_folders_and_resume_stay_inside_the_temporary_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a checkpoint hook with its own checkpoint_dir and resume: auto used to write ./my_ckpts and then
+    # resume the timed runs from the warm-up run's checkpoint (a ResumeError traceback, exit 1)
+    work, scratch = tmp_path / "work", tmp_path / "scratch"
+    work.mkdir()
+    scratch.mkdir()
+    (work / "job.yaml").write_text(DIGITS_JOB, encoding="utf-8")
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the bench's temporary folder goes
+    code, report, err = bench(capsys, *TINY, "--config", "job.yaml")
+    assert code == 0, err
+    assert report is not None and report["hooks"][0]["name"] == "checkpoint"
+    assert sorted(p.name for p in work.rglob("*")) == ["job.yaml"]
+    assert list(scratch.iterdir()) == []  # the temporary folder is gone, with the checkpoints in it
+
+
+def test_stack_builder_points_output_settings_into_the_scratch_folder_and_turns_resume_off(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        DIGITS_JOB.replace("resume: auto", f"resume: {json.dumps(str(outside / 'step_4'))}")
+        + f"  - {{name: profiler, output_dir: {json.dumps(str(outside / 'profiles'))}}}\n",
+        encoding="utf-8",
+    )
+    scratch = tmp_path / "scratch"
+    build = stack_builder(str(config), [], ["hooks.checkpoint.checkpoint_dir=elsewhere"], scratch)
+    checkpoint, profiler = build()[:2]
+    assert type(checkpoint).__name__ == "CheckpointHook" and type(profiler).__name__ == "TorchProfilerHook"
+    # each build gets a fresh run directory; the folders default into it as for a run that sets none
+    assert checkpoint.checkpoint_dir == scratch / "run0" / "job" / "checkpoints"  # type: ignore[attr-defined]
+    assert checkpoint.resume == "never"  # type: ignore[attr-defined]
+    assert checkpoint.step_interval == 10  # type: ignore[attr-defined]  # other settings are kept
+    assert profiler.output_dir == scratch / "run0" / "job" / "profiler"  # type: ignore[attr-defined]
+    again = build()[0]
+    assert again.checkpoint_dir == scratch / "run1" / "job" / "checkpoints"  # type: ignore[attr-defined]
+
+
+def test_a_setting_the_hook_does_not_take_is_still_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(DIGITS_JOB.replace("hooks:\n", "hooks:\n  - {name: ema, output_dir: x}\n"), encoding="utf-8")
+    code, _, err = bench(capsys, *TINY, "--config", str(config))
+    assert code == 2 and "output_dir" in err and "hooks[0]" in err
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [
+        ("foo", "--device 'foo' is not a torch device (expected e.g. cpu, cuda or cuda:1)"),
+        ("meta", "--device 'meta' holds no data to train on"),
+    ],
+)
+def test_a_device_torch_does_not_know_is_a_usage_error(
+    device: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = bench(capsys, *TINY, "--device", device)
+    assert code == 2
+    assert err.startswith("nvtrain bench: error: " + expected) and err.count("\n") == 1
+    assert "Traceback" not in err
+
+
+def test_cuda_without_cuda_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0"):
+        code, _, err = bench(capsys, *TINY, "--device", device)
+        assert code == 2
+        assert err == (
+            f"nvtrain bench: error: --device {device!r} asked for CUDA, which this machine does not have "
+            "(use --device cpu)\n"
+        )
+
+
+def test_a_cuda_index_past_the_device_count_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    code, _, err = bench(capsys, *TINY, "--device", "cuda:2")
+    assert code == 2
+    assert err == (
+        "nvtrain bench: error: --device 'cuda:2' names CUDA device 2, but this machine has 2 (cuda:0 to cuda:1)\n"
+    )
+    assert device_problem("cuda:1") is None and device_problem("cuda") is None
 
 
 def test_missing_config_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

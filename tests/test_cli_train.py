@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import yaml
@@ -74,8 +75,62 @@ def test_default_train_end_to_end(tmp_path: Path) -> None:
 def test_print_config_prints_the_resolved_builtin_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--print-config", "--set", "trainer.max_steps=200"]) == 0
     printed = capsys.readouterr().out
-    assert printed == dump_config(load_config(None, ["trainer.max_steps=200"]).config)
+    # the built-in config's name is a default, printed as null (see the tests below)
+    assert printed == dump_config(attrs.evolve(load_config(None, ["trainer.max_steps=200"]).config, name=None))
     assert yaml.safe_load(printed)["trainer"]["max_steps"] == 200
+
+
+def test_printed_builtin_config_trains_under_the_saved_files_stem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # docs/cli.md's "start your own config" after the built-in run: the printed file used to carry
+    # `name: digits`, so it resumed runs/digits' checkpoint and trained nothing
+    monkeypatch.chdir(tmp_path)
+    small = ["--set", "device=cpu", "--set", "trainer.max_steps=2"]
+    assert main(["train", *small]) == 0
+    assert (tmp_path / "runs" / "digits" / "checkpoints" / "latest").read_text().strip() == "step_2"
+    capsys.readouterr()
+    assert main(["train", "--print-config"]) == 0
+    (tmp_path / "my-job.yaml").write_text(capsys.readouterr().out, encoding="utf-8")
+    assert yaml.safe_load((tmp_path / "my-job.yaml").read_text())["name"] is None
+    assert main(["validate", "my-job.yaml", *small]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"my-job.yaml: valid (run directory {Path('runs', 'my-job')}; ")
+    assert "resumes from" not in out
+    assert main(["train", "my-job.yaml", *small]) == 0
+    out, err = capsys.readouterr()
+    assert "nothing to train" not in out + err
+    run = tmp_path / "runs" / "my-job"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert yaml.safe_load((run / "config.yaml").read_text())["name"] == "my-job"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["digits", "my-job"]
+
+
+@pytest.mark.parametrize(
+    ("config_text", "overrides", "printed_name"),
+    [
+        (None, ["name=mine"], "mine"),  # a --set name is the user's
+        ("name: mine\n", [], "mine"),  # so is a name in the config file
+        ("name: mine\n", ["name=other"], "other"),
+        ("name: mine\n", ["name=null"], None),
+        ("", [], None),  # the file's stem is a default
+        (None, [], None),  # and so is the built-in config's digits
+    ],
+)
+def test_print_config_keeps_only_a_name_the_user_gave(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    config_text: str | None,
+    overrides: list[str],
+    printed_name: str | None,
+) -> None:
+    args = ["train", "--print-config", *(arg for o in overrides for arg in ("--set", o))]
+    if config_text is not None:
+        builtin = load_config(None).config
+        text = config_text + dump_config(attrs.evolve(builtin, name=None)).replace("name: null\n", "")
+        args.insert(1, str(write(tmp_path / "job.yaml", text)))
+    assert main(args) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["name"] == printed_name
 
 
 # -- a user's config --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from nvtrain.config.errors import field_of
 from nvtrain.validators import FieldProblem
 
 #: Hook constructor parameters that name an output location, and where they default to in the run directory.
-_OUTPUT_PARAMETERS = {"checkpoint_dir": "checkpoints", "output_dir": None, "log_dir": None}
+OUTPUT_PARAMETERS = {"checkpoint_dir": "checkpoints", "output_dir": None, "log_dir": None}
 
 
 def signature_parameters(target: Any) -> Mapping[str, inspect.Parameter]:
@@ -141,7 +141,7 @@ def _construct(loaded: LoadedConfig, path: tuple[str | int, ...], name: str, bui
 def _default_outputs(cls: type, settings: dict[str, Any], run_dir: Path, name: str) -> dict[str, Any]:
     """Output locations a hook takes but the config leaves out go inside the run directory."""
     parameters = signature_parameters(cls)
-    for parameter, folder in _OUTPUT_PARAMETERS.items():
+    for parameter, folder in OUTPUT_PARAMETERS.items():
         if parameter in parameters and parameter not in settings:
             settings[parameter] = str(run_dir / (folder or name))
     return settings

@@ -8,14 +8,17 @@
 run config, built as `nvtrain train` builds them), trains a small MLP with it and
 prints, per stage, how many implementations run and what one call costs, then the
 per-step time of a bare hand-written loop, of nvtrain with no hooks and of nvtrain
-with the stack. Nothing is written outside a temporary directory: checkpoint and
-log folders of the stack go there, and the progress bar is off.
+with the stack. Nothing is written outside a temporary directory: every output
+folder of the stack (a hook's checkpoint_dir, output_dir or log_dir, even one the
+config sets, and the logging hooks' run directory) goes there, a hook's resume is
+set to never (a bench run never loads a checkpoint), and the progress bar is off.
 
 Settings a hook requires get bench defaults with --hooks (amp: precision auto;
 clip: max_norm 1.0; checkpoint: step_interval 100); --set KEY=VALUE changes any
 setting the way `nvtrain train --set` does (hooks are addressed by name).
 
-Exit status: 0 measured; 2 bad arguments, config or hook settings.
+Exit status: 0 measured; 2 bad arguments (an unknown or unavailable --device
+too), config or hook settings.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["BENCH_SETTINGS", "HELP", "add_arguments", "run"]
+if TYPE_CHECKING:
+    from nvtrain.config import LoadedConfig
+
+__all__ = ["BENCH_SETTINGS", "HELP", "add_arguments", "contained", "device_problem", "run"]
 
 HELP = "measure hook dispatch and per-step overhead of a hook stack (--hooks or --config)"
 
@@ -89,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     if steps < 3 or rounds < 1 or args.threads < 1:
         print("nvtrain bench: error: --steps must be >= 3, --rounds >= 1 and --threads >= 1", file=sys.stderr)
         return 2
+    problem = device_problem(args.device)
+    if problem is not None:
+        print(f"nvtrain bench: error: {problem}", file=sys.stderr)
+        return 2
     names = [name.strip() for name in args.hooks.split(",") if name.strip()]
     with _scratch() as scratch:
         try:
@@ -106,6 +116,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def device_problem(spec: str) -> str | None:
+    """Why ``--device spec`` cannot be measured on (not a torch device, or not on this machine), or None.
+
+    Checked before building anything, so a typo is one line and exit 2, not a traceback mid-measurement.
+    """
+    import torch
+
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError, TypeError):
+        return f"--device {spec!r} is not a torch device (expected e.g. cpu, cuda or cuda:1)"
+    if device.type == "meta":
+        return f"--device {spec!r} holds no data to train on (expected e.g. cpu, cuda or cuda:1)"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {spec!r} asked for CUDA, which this machine does not have (use --device cpu)"
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            return (
+                f"--device {spec!r} names CUDA device {device.index}, "
+                f"but this machine has {count} (cuda:0 to cuda:{count - 1})"
+            )
+        return None
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as err:
+        return f"--device {spec!r} is not available on this machine ({' '.join(str(err).split())})"
+    return None
+
+
 def stack_builder(
     config: str | None, names: Sequence[str], overrides: Sequence[str], scratch: Path
 ) -> Callable[[], list[object]]:
@@ -113,6 +153,8 @@ def stack_builder(
 
     The hooks come from ``config`` (as ``nvtrain train`` builds them, logging hooks
     included but the progress bar off) plus ``names``; without a config only ``names``.
+    Every output location lands in that folder and no hook resumes (:func:`contained`),
+    so a bench leaves nothing behind and never measures a run resumed from elsewhere.
     """
     from nvtrain.app import prepare
     from nvtrain.config import load_config
@@ -130,9 +172,53 @@ def stack_builder(
         folder = scratch / f"run{next(counter)}"
         fixed = [f"output_dir={json.dumps(str(folder))}", "logging.progress_bar=false"]
         loaded = load_config(config, [*base, *overrides, *fixed])
-        return list(prepare(loaded, world_size=1).hooks)
+        return list(prepare(contained(loaded), world_size=1).hooks)
 
     return build
+
+
+def contained(loaded: LoadedConfig) -> LoadedConfig:
+    """``loaded`` with each hook's output folders left to the run directory and its resume off.
+
+    A hook's ``checkpoint_dir``, ``output_dir`` or ``log_dir`` setting (the ones
+    ``nvtrain train`` fills in) is dropped, so the folder defaults into the run
+    directory as it does for a run that does not set it; a hook that takes
+    ``resume`` gets ``resume: never``. A hook whose class cannot be found is left as
+    it is: :func:`~nvtrain.app.prepare` reports it.
+    """
+    import attrs
+
+    from nvtrain.app.hook_stack import OUTPUT_PARAMETERS, signature_parameters
+
+    search = [loaded.directory] if loaded.directory is not None else []
+    search.append(Path.cwd())
+    hooks = []
+    for hook in loaded.config.hooks:
+        parameters = signature_parameters(_hook_class(hook.name, search))
+        outputs = set(OUTPUT_PARAMETERS) & set(parameters)
+        settings = {key: value for key, value in hook.settings.items() if key not in outputs}
+        if "resume" in parameters:
+            settings["resume"] = "never"
+        hooks.append(attrs.evolve(hook, settings=settings))
+    return attrs.evolve(loaded, config=attrs.evolve(loaded.config, hooks=tuple(hooks)))
+
+
+def _hook_class(name: str, search: Sequence[Path]) -> object:
+    """The class ``nvtrain train`` builds for hook ``name`` (built-in, plugin or import path), or None."""
+    from nvtrain import plugins
+    from nvtrain.app.hook_stack import builtin_hook_classes
+    from nvtrain.config import resolve_import_path
+
+    builtin = builtin_hook_classes()
+    if name in builtin:
+        return builtin[name]
+    try:
+        installed = {info.name for info in plugins.available() if info.status != plugins.PluginStatus.MISSING}
+        if name.partition(":")[0] in installed:
+            return plugins.hook_class(name)
+        return resolve_import_path(name, search) if ":" in name else None
+    except Exception:  # any failure is reported, located, when prepare() builds the stack
+        return None
 
 
 def _located(err: Exception, names: Sequence[str]) -> str:

@@ -3,7 +3,7 @@ scikit-learn's handwritten digits: no download).
 
     nvtrain train                                  # the built-in job, into runs/digits/
     nvtrain train my.yaml --set trainer.max_steps=200
-    nvtrain train --print-config > my.yaml         # start your own from the built-in one
+    nvtrain train --print-config > my.yaml         # start your own from the built-in one (runs/my/)
 
 Exit status: 0 done (also: already at the requested step, nothing to train);
 1 training failed (traceback; one line for a full disk); 2 bad config, arguments
@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from nvtrain.errors import disk_full
 
-__all__ = ["HELP", "add_arguments", "add_config_arguments", "run"]
+if TYPE_CHECKING:
+    from nvtrain.config import LoadedConfig, RunConfig
+
+__all__ = ["HELP", "add_arguments", "add_config_arguments", "printable", "run"]
 
 HELP = "train from a YAML config (default: the built-in digits example)"
 
@@ -49,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config",
         action="store_true",
-        help="print the fully resolved config as YAML and exit without training",
+        help="print the fully resolved config as YAML and exit without training "
+        "(name: null unless the config or --set names the run, so a saved copy runs under its file's stem)",
     )
 
 
@@ -85,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         loaded = load_config(args.config, args.overrides)
         if args.print_config:
-            sys.stdout.write(dump_config(loaded.config))
+            sys.stdout.write(dump_config(printable(loaded)))
             return 0
         plan = prepare(loaded)
     except (ConfigError, ImportError) as err:
@@ -106,9 +111,19 @@ def run(args: argparse.Namespace) -> int:
         return error(f"no space left on device {where}", EXIT_FAILURE)
 
 
+def printable(loaded: LoadedConfig) -> RunConfig:
+    """The config ``--print-config`` shows: ``name: null`` unless the config or a ``--set`` named the run.
+
+    A default name (the built-in ``digits``, a file's stem) would pin a saved copy to
+    that run directory, and so to that run's checkpoints; null lets it default to the
+    saved file's stem.
+    """
+    import attrs
+
+    return loaded.config if loaded.name_given else attrs.evolve(loaded.config, name=None)
+
+
 def error(message: str, code: int) -> int:
     """Print ``nvtrain train: error: <message>`` (one line) on stderr and return ``code``."""
     print(f"nvtrain train: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
     return code
-
-

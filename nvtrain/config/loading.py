@@ -30,6 +30,10 @@ class LoadedConfig:
     #: The config file's folder (import paths are also resolved from there), or None.
     directory: Path | None
     locations: Mapping[ConfigPath, str] = attrs.field(factory=dict, repr=False)
+    #: Whether the config file or a ``--set`` gave ``name``; False when ``config.name`` is the
+    #: default (the file's stem, or the built-in config's ``digits``), which ``--print-config``
+    #: leaves out so that a printed config saved as ``my-job.yaml`` runs as ``my-job``.
+    name_given: bool = False
 
     def locate(self, path: Sequence[str | int]) -> str:
         """The nearest recorded location of ``path`` (or of its closest parent)."""
@@ -69,8 +73,17 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"a config file holds a mapping of sections, got {describe(data)}", location=source)
+    file_location = locations.get(("name",))
     data = apply_overrides(data, overrides, locations)
-    loaded = LoadedConfig(config=None, source=source, directory=directory, locations=locations)  # type: ignore[arg-type]
+    by_override = locations.get(("name",)) != file_location
+    name_given = data.get("name") is not None and (path is not None or by_override)
+    loaded = LoadedConfig(
+        config=None,  # type: ignore[arg-type]
+        source=source,
+        directory=directory,
+        locations=locations,
+        name_given=name_given,
+    )
     config = structure_config(data, loaded.locate)
     if config.name is None:
         config = attrs.evolve(config, name=stem)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -174,12 +175,44 @@ class TrainableParameterHook(_AppliedAtSetup):
         return self.trainable_names
 
 
+_FACTORY = "callable as factory(old_module) -> new module"
+
+
 def _as_patches(value: Any) -> Any:
-    """A mapping (or pairs) as a dict; anything else unchanged, for the validator to refuse."""
+    """A mapping (or pairs) as a dict, import-path factories resolved; anything else unchanged, for the validator.
+
+    A factory given as ``"package.module:attr"`` (all a YAML config can say) is
+    imported here, from the working directory or the installed modules, so a bad
+    path fails when the hook is built (``nvtrain validate``), not at SETUP.
+    """
     try:
-        return dict(value)
+        patches = dict(value)
     except (TypeError, ValueError):
         return value
+    return {pattern: _factory(pattern, factory) for pattern, factory in patches.items()}
+
+
+def _factory(pattern: Any, factory: Any) -> Any:
+    """``factory``, or the callable its import path ``"package.module:attr"`` names."""
+    if not isinstance(factory, str):
+        return factory
+    from nvtrain.config import resolve_import_path
+
+    field = f"ModulePatchHook.patches[{pattern!r}]"
+    expected = f"{_FACTORY}, or an import path 'package.module:attr' to one"
+    module, _, attr = factory.partition(":")
+    if not module or not attr:
+        message = f"{field} must be {expected} (got {factory!r})"
+        raise refused("ModulePatchHook", "patches", factory, expected, message=message, error=FieldTypeError)
+    try:
+        target = resolve_import_path(factory, [Path.cwd()])
+    except (ImportError, AttributeError) as err:
+        message = f"{field}: cannot import the module factory {factory!r}: {err}"
+        raise refused("ModulePatchHook", "patches", factory, expected, message=message) from None
+    if not callable(target):
+        message = f"{field}: {factory!r} names {target!r}, which is not {_FACTORY}"
+        raise refused("ModulePatchHook", "patches", factory, expected, message=message, error=FieldTypeError)
+    return target
 
 
 def _check_patches(instance: Any, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
@@ -198,7 +231,8 @@ def _check_patches(instance: Any, attribute: attrs.Attribute[Any], value: dict[s
             raise refuse(f"{owner}.patches keys must be non-empty glob strings (got {pattern!r})")
         if not callable(factory):
             raise refuse(
-                f"{owner}.patches[{pattern!r}] must be callable as factory(old_module) -> new module (got {factory!r})",
+                f"{owner}.patches[{pattern!r}] must be {_FACTORY}, or an import path 'package.module:attr' to one "
+                f"(got {factory!r})",
                 FieldTypeError,
             )
 
@@ -208,7 +242,10 @@ class ModulePatchHook(_AppliedAtSetup):
     """Replace submodules whose qualified names match a glob, before optimizers exist.
 
     ``patches`` maps a glob on names from ``model.named_modules()`` (``"head"``,
-    ``"blocks.*.mlp"``) to ``factory(old_module) -> new_module``. The new module is
+    ``"blocks.*.mlp"``) to ``factory(old_module) -> new_module``, or to the import
+    path of one, ``"package.module:attr"`` (what a YAML config can give), imported
+    when the hook is built, from the working directory or the installed modules
+    (not from a config file's folder). The new module is
     moved to the old one's device. When a match lies inside a module that is
     replaced as well, only the outer one is replaced. A pattern that replaces
     nothing is an error naming it; so is running after optimizers were built

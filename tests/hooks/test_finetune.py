@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import nvtrain
+from nvtrain.cli import main
 from nvtrain.hooks import ModulePatchHook, TrainableParameterHook
+from nvtrain.validators import FieldProblem, FieldTypeError, FieldValueError
 
 
 class Net(torch.nn.Module):
@@ -213,3 +217,108 @@ def test_patch_refuses_built_optimizers_clearly() -> None:
 def test_patch_bad_configuration(patches: dict[str, Any], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         ModulePatchHook(patches=patches)
+
+
+# -- import-path factories (what a YAML config can give) -------------------------------------------
+
+
+HEAD_MODULE = """\
+import pathlib
+
+import torch
+
+
+def make_head(old):
+    pathlib.Path("patched.txt").write_text(f"{type(old).__name__} {old.in_features} {old.out_features}")
+    return torch.nn.Linear(old.in_features, old.out_features)
+"""
+
+
+def head_module(folder: Path, name: str) -> str:
+    """Write module ``name`` with ``make_head`` into ``folder``; its import path."""
+    (folder / f"{name}.py").write_text(HEAD_MODULE, encoding="utf-8")
+    return f"{name}:make_head"
+
+
+def test_patch_factory_given_as_an_import_path_is_found_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = head_module(tmp_path, "finetune_head_api")
+    hook = ModulePatchHook(patches={"head": path})
+    assert hook.patches["head"] is sys.modules["finetune_head_api"].make_head
+    strategy = make_strategy([hook])
+    old_head = strategy.ctx.models["main"].head
+    strategy.train_batch(make_batch())
+    assert strategy.ctx.models["main"].head is not old_head and hook.replaced == [("main", "head")]
+    assert (tmp_path / "patched.txt").read_text() == "Linear 8 2"
+    # an installed module needs no folder; callables and import paths mix
+    mixed = ModulePatchHook(patches={"head": "torch.nn:Identity", "backbone.0": torch.nn.Identity})
+    assert mixed.patches == {"head": torch.nn.Identity, "backbone.0": torch.nn.Identity}
+
+
+@pytest.mark.parametrize(
+    ("factory", "error", "message"),
+    [
+        (
+            "no_such_finetune_module:make_head",
+            FieldValueError,
+            "ModulePatchHook.patches['head']: cannot import the module factory 'no_such_finetune_module:make_head': "
+            "cannot import module 'no_such_finetune_module' for 'no_such_finetune_module:make_head' (also looked in ",
+        ),
+        (
+            "torch.nn:NoSuchLayer",
+            FieldValueError,
+            "ModulePatchHook.patches['head']: cannot import the module factory 'torch.nn:NoSuchLayer': "
+            "'torch.nn' has no attribute 'NoSuchLayer'",
+        ),
+        ("math:pi", FieldTypeError, "ModulePatchHook.patches['head']: 'math:pi' names 3.14"),
+        (
+            "torch.nn.Identity",
+            FieldTypeError,
+            "ModulePatchHook.patches['head'] must be callable as factory(old_module) -> new module, or an import "
+            "path 'package.module:attr' to one (got 'torch.nn.Identity')",
+        ),
+    ],
+)
+def test_a_bad_import_path_factory_is_a_field_error_naming_the_pattern_and_the_path(
+    factory: str, error: type[FieldProblem], message: str
+) -> None:
+    with pytest.raises(error) as caught:
+        ModulePatchHook(patches={"head": factory})
+    assert str(caught.value).startswith(message)
+    assert (caught.value.owner, caught.value.field, caught.value.value) == ("ModulePatchHook", "patches", factory)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``nvtrain ARGS`` in this process (as the console script: the working directory not on sys.path)
+    with the built-in config on the CPU, two steps."""
+    small = ["--set", "device=cpu", "--set", "trainer.max_steps=2", "--set", "logging.tensorboard=false"]
+    code = main([*args, *small])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_module_patch_from_the_command_line_with_an_import_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the built-in digits MLP's last layer (index 6: Linear 128 -> 10) replaced through a module in the working dir
+    monkeypatch.chdir(tmp_path)
+    assert str(tmp_path) not in sys.path
+    path = head_module(tmp_path, "finetune_head_cli")
+    hooks = "hooks=[{name: module_patch, patches: {'6': '%s'}}]"
+    code, out, err = cli(capsys, "validate", "--set", hooks % path)
+    assert code == 0, err
+    assert "hooks: ModulePatchHook," in out
+    (tmp_path / "patched.txt").unlink(missing_ok=True)
+    code, out, err = cli(capsys, "train", "--set", hooks % path, "--set", "logging.progress_bar=false")
+    assert code == 0, err
+    assert (tmp_path / "patched.txt").read_text() == "Linear 128 10"  # the run's model was patched at SETUP
+    assert f"run {Path('runs', 'digits')} | step 2 | " in out
+    code, out, err = cli(capsys, "validate", "--set", hooks % "finetune_head_cli:make_hed")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert (
+        "hooks[0].patches: hook 'module_patch': ModulePatchHook.patches['6']: cannot import the module factory "
+        "'finetune_head_cli:make_hed': 'finetune_head_cli' has no attribute 'make_hed'"
+    ) in err
