@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import csv
+import itertools
 import logging
 import math
 import os
@@ -34,7 +35,7 @@ import torch
 from nvtrain.batching import batch_size
 from nvtrain.errors import naming_file
 from nvtrain.hookspecs import hookimpl
-from nvtrain.validators import int_at_least, optional_int_at_least, satisfies
+from nvtrain.validators import int_at_least, optional_int_at_least, optional_non_empty_str, satisfies
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -95,7 +96,14 @@ class StepLogReader:
 
     :meth:`observe_batch` runs once per micro-batch; it returns a record (a dict of
     host floats) on logging steps and None otherwise. :meth:`read_validation`
-    turns ``ctx.validation`` into ``val_*`` floats.
+    turns ``ctx.validation`` into ``val_*`` floats; :meth:`finish` reads what the
+    run's last steps left unlogged.
+
+    The smoothing state (the open window's loss sum and the finished windows
+    ``train_loss_avg`` covers) is :meth:`state_dict`: the loggers save it in a
+    checkpoint, so a resumed run smooths exactly as the straight run does. A record
+    written at the run's end (:meth:`finish`, a last or preempted step off the
+    cadence) reads the open window without closing it, for the same reason.
     """
 
     #: Logging cadence in optimizer steps; None: the step scheduler's ``log_remote_every_steps``
@@ -105,16 +113,24 @@ class StepLogReader:
     #: step scheduler's ``loss_average_window_steps`` replaces it at the start of a run.
     average_steps: int = 50
     _every: int = attrs.field(init=False, default=10)
+    #: Finished logging windows, newest first: (mean loss, steps).
     _recent: collections.deque[tuple[float, int]] = attrs.field(init=False, factory=collections.deque)
     _loss_sum: torch.Tensor | None = None
     _loss_batches: int = 0
+    #: Steps in the logging window the loss sum covers (the weight of its mean in ``train_loss_avg``).
+    _window_steps: int = 0
+    #: The step count the smoothing state describes (None: none); a run starting elsewhere starts it afresh.
+    _at_step: int | None = None
     _samples: int = 0
     #: Steps since the clock started (a validation restarts it: its time is not training time).
     _steps: int = 0
-    #: Steps in the logging window the loss sum covers (the weight of its mean in ``train_loss_avg``).
-    _window_steps: int = 0
     _clock: float | None = None
     _last_logged: int = -1
+    #: The run's last real (not skipped) step and its 0-based epoch: where :meth:`finish` writes.
+    _last_step: int | None = None
+    _last_epoch: int = 0
+    #: The run's context, for :meth:`finish` (``close()`` on the error path gets none).
+    _ctx: TrainingContext | None = None
 
     def start(self, ctx: TrainingContext | None = None) -> None:
         """Begin a run: timing starts now; the cadences come from the run's step scheduler."""
@@ -123,9 +139,19 @@ class StepLogReader:
             self.average_steps = scheduler.loss_average_window_steps
         remote = getattr(scheduler, "log_remote_every_steps", None)
         self._every = self.every if self.every is not None else remote if remote is not None else 10
-        self._recent.clear()
         self._clock = time.perf_counter()
-        self._samples = self._steps = self._window_steps = 0
+        self._samples = self._steps = 0
+        self._last_step, self._ctx = None, ctx
+
+    def begin(self, ctx: TrainingContext) -> None:
+        """At the run's first BEFORE_EPOCH (a resume has been applied): keep the smoothing state only when it
+        describes this step (restored from the checkpoint, or left by a previous ``run()`` that ended here)."""
+        if self._at_step != ctx.step_count:
+            self._recent.clear()
+            self._loss_sum, self._loss_batches, self._window_steps = None, 0, 0
+        self._at_step = ctx.step_count
+        self._last_logged = ctx.step_count  # steps up to here belong to an earlier run
+        self._ctx = ctx
 
     def observe_batch(self, ctx: TrainingContext) -> dict[str, float] | None:
         loss = ctx.loss
@@ -134,19 +160,45 @@ class StepLogReader:
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
             self._loss_batches += 1
         self._samples += batch_size(ctx.batch)
+        self._at_step, self._ctx = ctx.step_count, ctx
         if ctx.step_skipped:
             return None
         self._steps += 1
         self._window_steps += 1
         step = ctx.step_count
+        self._last_step, self._last_epoch = step, ctx.epoch
+        if step == self._last_logged:
+            return None
+        if step % self._every == 0:
+            self._last_logged = step
+            return self._read(ctx, step, ctx.epoch, close_window=True)
         scheduler = ctx.scheduler if ctx.windowed and ctx.sync_gradients else None
-        final = scheduler is not None and (scheduler.is_last_step or ctx.preempted)  # flush the last window
-        if (step % self._every and not final) or step == self._last_logged:
+        if scheduler is not None and (scheduler.is_last_step or ctx.preempted):  # the run's last step
+            self._last_logged = step
+            return self._read(ctx, step, ctx.epoch, close_window=False)
+        return None
+
+    def finish(self) -> dict[str, float] | None:
+        """A record of the steps taken since the last logging step (None when there are none).
+
+        For a run that ended off the logging cadence where :meth:`observe_batch` could not
+        tell (a stop at a validation, an exception); never twice for one step.
+        """
+        ctx, step = self._ctx, self._last_step
+        self._ctx = None
+        if ctx is None or step is None or step == self._last_logged:
             return None
         self._last_logged = step
-        return self._read(ctx)
+        return self._read(ctx, step, self._last_epoch, close_window=False)
 
-    def _read(self, ctx: TrainingContext) -> dict[str, float]:
+    def abandon(self) -> dict[str, float] | None:
+        """:meth:`finish` for a run that ended by an exception; its open window is not continued later."""
+        try:
+            return self.finish()
+        finally:
+            self._at_step = None
+
+    def _read(self, ctx: TrainingContext, step: int, epoch: int, *, close_window: bool) -> dict[str, float]:
         names: list[str] = []
         tensors: list[torch.Tensor] = []
         device = self._loss_sum.device if self._loss_sum is not None else torch.device("cpu")
@@ -159,34 +211,39 @@ class StepLogReader:
                 tensors.append(value.detach().reshape(()).to(device=device, dtype=torch.float32))
         values = torch.stack(tensors).tolist() if tensors else []  # the logging step's one host sync
         now = time.perf_counter()
-        record: dict[str, float] = {"step": ctx.step_count, "epoch": ctx.epoch + 1}  # 1-based for people
+        record: dict[str, float] = {"step": step, "epoch": epoch + 1}  # 1-based for people
         record.update(zip(names, values, strict=True))
         if "train_loss" in record and self._window_steps:
-            record["train_loss_avg"] = self._average(record["train_loss"], self._window_steps)
+            record["train_loss_avg"] = self._average(record["train_loss"], self._window_steps, keep=close_window)
         record.update(_learning_rates(ctx))
         if self._clock is not None and self._steps:
             elapsed = now - self._clock
             record["step_time"] = elapsed / self._steps
             if elapsed > 0:
                 record["samples_per_s"] = self._samples * ctx.world_size / elapsed
-        self._loss_sum, self._loss_batches, self._window_steps = None, 0, 0
+        if close_window:
+            self._loss_sum, self._loss_batches, self._window_steps = None, 0, 0
         self._clock, self._samples, self._steps = now, 0, 0
         return record
 
-    def _average(self, window_mean: float, steps: int) -> float:
-        """The mean loss over the newest logging windows that cover ``average_steps`` steps."""
-        recent = self._recent
-        recent.appendleft((window_mean, steps))
+    def _average(self, window_mean: float, steps: int, *, keep: bool) -> float:
+        """The mean loss over the newest logging windows that cover ``average_steps`` steps.
+
+        ``keep``: the window is closed, and joins the history later windows are smoothed with.
+        """
         total = weighted = 0.0
         kept = 0
-        for mean, count in recent:
+        for mean, count in itertools.chain(((window_mean, steps),), self._recent):
             kept += 1
             total += count
             weighted += mean * count
             if total >= self.average_steps:
                 break
-        while len(recent) > kept:
-            recent.pop()
+        if keep:
+            recent = self._recent
+            recent.appendleft((window_mean, steps))
+            while len(recent) > kept:
+                recent.pop()
         return weighted / total
 
     def read_validation(self, ctx: TrainingContext) -> dict[str, float]:
@@ -201,6 +258,30 @@ class StepLogReader:
         # Validation time is not training time: the next window starts now.
         self._clock, self._samples, self._steps = time.perf_counter(), 0, 0
         return record
+
+    def state_dict(self) -> dict[str, Any]:
+        """The smoothing state at the step it describes; the loss sum stays a tensor (no host sync here)."""
+        return {
+            "step": self._at_step,
+            "recent": [[mean, steps] for mean, steps in self._recent],
+            "loss_sum": self._loss_sum,
+            "loss_batches": self._loss_batches,
+            "window_steps": self._window_steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a :meth:`state_dict`; the next run continues it when it starts at that state's step."""
+        try:
+            step, recent, loss_sum = state["step"], state["recent"], state["loss_sum"]
+            loss_batches, window_steps = int(state["loss_batches"]), int(state["window_steps"])
+            windows = [(float(mean), int(steps)) for mean, steps in recent]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"not a logger's smoothing state ({type(err).__name__}: {err})") from None
+        if not (step is None or isinstance(step, int)) or not (loss_sum is None or isinstance(loss_sum, torch.Tensor)):
+            raise ValueError(f"not a logger's smoothing state (step {step!r}, loss_sum {type(loss_sum).__name__})")
+        self._at_step = step
+        self._recent = collections.deque(windows)
+        self._loss_sum, self._loss_batches, self._window_steps = loss_sum, loss_batches, window_steps
 
 
 def _learning_rates(ctx: TrainingContext) -> dict[str, float]:
@@ -231,7 +312,8 @@ class ProgressBarHook:
     logging steps. When ``stream`` is not a terminal (a batch job's log file) it
     writes one line per logging step and one per validation instead. The shown
     loss is ``train_loss_avg``: the mean over the last ``loss_average_window_steps``
-    steps of the step scheduler (in whole logging windows).
+    steps of the step scheduler (in whole logging windows). The steps after the
+    last logging step are shown when the run ends, also by an exception.
     """
 
     plugin_name: ClassVar[str] = "progress_bar"
@@ -245,13 +327,18 @@ class ProgressBarHook:
     #: Width of the bar in columns; None follows the terminal (resizes included).
     ncols: int | None = None
     priority: int = LOGGING_PRIORITY
+    #: Tells two bars apart in a checkpoint (their smoothing state); None for the only one.
+    state_key: str | None = attrs.field(default=None, validator=optional_non_empty_str())
 
     _reader: StepLogReader = attrs.field(init=False)
     _bar: Any = attrs.field(init=False, default=None)
     _out: TextIO | None = attrs.field(init=False, default=None)
     _active: bool = attrs.field(init=False, default=False)
     _started: bool = attrs.field(init=False, default=False)
+    #: Between BEFORE_TRAINING and AFTER_TRAINING: a close() now is a run ended by an exception.
+    _running: bool = attrs.field(init=False, default=False)
     _total: int | None = attrs.field(init=False, default=None)
+    _epochs: int | None = attrs.field(init=False, default=None)
     _postfix: dict[str, str] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
@@ -261,6 +348,7 @@ class ProgressBarHook:
     def before_training(self, ctx: TrainingContext) -> None:
         self._active = ctx.rank == 0
         self._started = False
+        self._running = True
         self._reader.start(ctx)
 
     @hookimpl
@@ -269,6 +357,7 @@ class ProgressBarHook:
             return
         if not self._started:  # the first epoch of the run: a resume has been applied by now
             self._started = True
+            self._reader.begin(ctx)
             self._open_bar(ctx)
         if self._bar is not None:
             self._bar.set_description(_epoch_label(ctx), refresh=False)
@@ -276,6 +365,8 @@ class ProgressBarHook:
     def _open_bar(self, ctx: TrainingContext) -> None:
         self._out = self.stream if self.stream is not None else sys.stderr
         self._total = estimate_total_steps(ctx)
+        epochs = getattr(ctx.scheduler, "num_epochs", None) if ctx.scheduler is not None else None
+        self._epochs = epochs if isinstance(epochs, int) else None
         use_bar = self.use_bar if self.use_bar is not None else _is_terminal(self._out)
         if not use_bar:
             return
@@ -305,17 +396,20 @@ class ProgressBarHook:
             return
         if self._bar is not None and not ctx.step_skipped:
             self._bar.update(1)
-        if record is None:
-            return
+        if record is not None:
+            self._show(record, refresh=False)
+
+    def _show(self, record: dict[str, float], *, refresh: bool) -> None:
+        """A training record: the bar's loss and samples/s, or a log line."""
         smoothed = record.get("train_loss_avg")
         if self._bar is not None:
             if smoothed is not None:
                 self._postfix["loss"] = f"{smoothed:.4g}"
             if "samples_per_s" in record:
                 self._postfix["samples/s"] = f"{record['samples_per_s']:.0f}"
-            self._bar.set_postfix_str(self._postfix_text(), refresh=False)
-        else:
-            self._line(ctx, record, smoothed=smoothed)
+            self._bar.set_postfix_str(self._postfix_text(), refresh=refresh)
+        elif self._out is not None:
+            self._line(record, smoothed=smoothed)
 
     @hookimpl
     def after_validation(self, ctx: TrainingContext) -> None:
@@ -330,15 +424,23 @@ class ProgressBarHook:
                     self._postfix[key] = f"{value:.4g}"
             self._bar.set_postfix_str(self._postfix_text(), refresh=True)
         else:
-            self._line(ctx, record, smoothed=None)
+            self._line(record, smoothed=None)
 
     @hookimpl
     def after_training(self, ctx: TrainingContext) -> None:
-        self.close()
+        """Show the steps since the last logging step (a run stopped at a validation), then finish the bar."""
+        self._running = False
+        try:
+            record = self._reader.finish()
+            if record is not None and self._active:
+                self._show(record, refresh=True)
+        finally:
+            self.close()
 
-    def _line(self, ctx: TrainingContext, record: dict[str, float], smoothed: float | None) -> None:
+    def _line(self, record: dict[str, float], smoothed: float | None) -> None:
         total = f"/{self._total}" if self._total is not None else ""
-        parts = [_epoch_label(ctx), f"step {ctx.step_count}{total}"]
+        epochs = f"/{self._epochs}" if self._epochs is not None else ""
+        parts = [f"epoch {int(record['epoch'])}{epochs}", f"step {int(record['step'])}{total}"]
         if smoothed is not None:
             parts.append(f"loss {smoothed:.4g}")
         for key, value in record.items():
@@ -349,7 +451,8 @@ class ProgressBarHook:
         print("  ".join(parts), file=self._out, flush=True)
 
     def _postfix_text(self) -> str:
-        """As many postfix entries as fit beside a bar of at least 10 characters."""
+        """The postfix entries that fit beside a bar of at least ``_BAR_MIN`` characters, in order; one that
+        does not fit is left out (a shorter one after it may still fit)."""
         width = self.ncols
         if width is None and self._bar is not None:
             width = getattr(self._bar, "ncols", None)
@@ -359,16 +462,29 @@ class ProgressBarHook:
         text = ""
         for item in _postfix_items(self._postfix):
             candidate = f"{text} {item}" if text else item
-            if len(candidate) > budget:
-                break
-            text = candidate
+            if len(candidate) <= budget:
+                text = candidate
         return text
 
     def close(self) -> None:
-        """Finish the bar (idempotent)."""
-        bar, self._bar = self._bar, None
-        if bar is not None:
-            bar.close()
+        """Finish the bar (idempotent); for a run ended by an exception, show its unlogged last steps first."""
+        try:
+            if self._running:
+                self._running = False
+                record = self._reader.abandon()
+                if record is not None and self._active:
+                    self._show(record, refresh=True)
+        finally:
+            bar, self._bar = self._bar, None
+            if bar is not None:
+                bar.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The smoothed loss's state, so a resumed run's bar shows what the straight run's does."""
+        return self._reader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load_reader_state(self._reader, state, self, self.state_key)
 
 
 _BAR_FORMAT = "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}"
@@ -391,8 +507,10 @@ def _validated_ema(ctx: TrainingContext) -> bool:
 
 
 def _postfix_items(postfix: Mapping[str, str]) -> list[str]:
-    """The bar's postfix entries, most useful first; names shortened (``val_accuracy`` -> ``val_acc``)."""
-    order = sorted(postfix, key=lambda key: (key == "samples/s", key.endswith("_loss"), not key.startswith("loss")))
+    """The bar's postfix entries, most useful first: loss, samples/s, then validation values (metrics
+    before the loss); names shortened (``val_accuracy`` -> ``val_acc``)."""
+    first = {"loss": 0, "samples/s": 1}
+    order = sorted(postfix, key=lambda key: (first.get(key, 2), key.endswith("_loss")))
     short = {"accuracy": "acc"}
     items = []
     for key in order:
@@ -422,20 +540,27 @@ class _StepRecordLogger:
     """The observer side shared by the file loggers: rank 0 writes a record per logging step and validation.
 
     A subclass is an attrs class with the fields ``_reader`` (a :class:`StepLogReader`),
-    ``_active`` and ``_start_step``; it writes a record in ``_write`` and releases its
-    file in ``close``. ``_start_step`` is the step count at the first BEFORE_EPOCH, so
-    after a resume it is the step the run resumed from (0 for a fresh run).
+    ``_active``, ``_running``, ``_start_step`` and ``state_key``; it writes a record in
+    ``_write`` and releases its file in ``_release``. ``_start_step`` is the step count
+    at the first BEFORE_EPOCH, so after a resume it is the step the run resumed from
+    (0 for a fresh run). The steps after the last logging step are written when the
+    run ends (AFTER_TRAINING, or ``close()`` after an exception). The smoothing state
+    is the hook's checkpoint state (``state_dict``).
     """
 
-    __slots__ = ("_active", "_reader", "_start_step")
+    __slots__ = ("_active", "_reader", "_running", "_start_step")
 
     _reader: StepLogReader
     _active: bool
+    #: Between BEFORE_TRAINING and AFTER_TRAINING: a close() now is a run ended by an exception.
+    _running: bool
     _start_step: int | None
+    state_key: str | None
 
     @hookimpl
     def before_training(self, ctx: TrainingContext) -> None:
         self._active = ctx.rank == 0
+        self._running = True
         self._start_step = None
         self._reader.start(ctx)
 
@@ -443,6 +568,7 @@ class _StepRecordLogger:
     def before_epoch(self, ctx: TrainingContext) -> None:
         if self._active and self._start_step is None:  # a resume has been applied by now
             self._start_step = ctx.step_count
+            self._reader.begin(ctx)
 
     @hookimpl
     def after_batch(self, ctx: TrainingContext) -> None:
@@ -458,13 +584,46 @@ class _StepRecordLogger:
 
     @hookimpl
     def after_training(self, ctx: TrainingContext) -> None:
-        self.close()
+        """Write the steps since the last logging step (a run stopped at a validation), then release the file."""
+        self._running = False
+        try:
+            record = self._reader.finish()
+            if record is not None and self._active:
+                self._write(record)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the file (idempotent); for a run ended by an exception, write its unlogged last steps first."""
+        try:
+            if self._running:
+                self._running = False
+                record = self._reader.abandon()
+                if record is not None and self._active:
+                    self._write(record)
+        finally:
+            self._release()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The smoothing state of ``train_loss_avg``, so a resumed run writes what the straight run does."""
+        return self._reader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load_reader_state(self._reader, state, self, self.state_key)
 
     def _write(self, record: dict[str, float]) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:
+    def _release(self) -> None:
         raise NotImplementedError
+
+
+def _load_reader_state(reader: StepLogReader, state: Mapping[str, Any], hook: object, key: str | None) -> None:
+    try:
+        reader.load_state_dict(state)
+    except ValueError as err:
+        name = type(hook).__name__ + (f"(state_key={key!r})" if key is not None else "")
+        raise ValueError(f"{name}: {err}") from None
 
 
 # -- CSV -------------------------------------------------------------------------------------------
@@ -477,7 +636,8 @@ class CSVLoggerHook(_StepRecordLogger):
     Columns start with :data:`CSV_COLUMNS`; a metric seen for the first time adds a
     column, and the file is then rewritten atomically with the wider header. On a
     resumed run, rows after the step the run resumed from are dropped first, so
-    the file describes one continuous run.
+    the file describes one continuous run; with the smoothing state restored from
+    the checkpoint, its ``train_loss`` and ``train_loss_avg`` are the straight run's.
     """
 
     plugin_name: ClassVar[str] = "csv_logger"
@@ -485,12 +645,15 @@ class CSVLoggerHook(_StepRecordLogger):
     path: Path = attrs.field(converter=Path)
     log_every_n_steps: int = attrs.field(default=10, validator=int_at_least(1))
     priority: int = LOGGING_PRIORITY
+    #: Tells two CSV loggers apart in a checkpoint (their smoothing state); None for the only one.
+    state_key: str | None = attrs.field(default=None, validator=optional_non_empty_str())
 
     _reader: StepLogReader = attrs.field(init=False)
     _columns: list[str] = attrs.field(init=False, factory=list)
     _file: TextIO | None = attrs.field(init=False, default=None)
     _writer: Any = attrs.field(init=False, default=None)
     _active: bool = attrs.field(init=False, default=False)
+    _running: bool = attrs.field(init=False, default=False)
     _start_step: int | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
@@ -553,8 +716,7 @@ class CSVLoggerHook(_StepRecordLogger):
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def close(self) -> None:
-        """Close the file (idempotent)."""
+    def _release(self) -> None:
         file, self._file, self._writer = self._file, None, None
         if file is not None:
             file.close()
@@ -585,8 +747,9 @@ class TensorBoardHook(_StepRecordLogger):
     the step scheduler's ``log_remote_every_steps`` cadence.
 
     Tags: ``train/loss``, ``train/loss_avg``, ``train/lr``, ``perf/step_time``, ``perf/samples_per_s``,
-    ``val/<metric>`` and ``train/<name>`` for other ``ctx.metrics`` entries. A
-    resumed run purges events after the step it resumed from. Needs the
+    ``val/<metric>`` and ``train/<name>`` for other ``ctx.metrics`` entries. A run
+    purges the events ``log_dir`` holds after the step it starts from (all of them
+    for a fresh run), as the CSV logger drops or replaces rows. Needs the
     ``tensorboard`` package (``pip install 'nvtrain[tensorboard]'``).
     """
 
@@ -596,10 +759,13 @@ class TensorBoardHook(_StepRecordLogger):
     #: None: follow the step scheduler's ``log_remote_every_steps`` (the experiment-logger cadence).
     log_every_n_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     priority: int = LOGGING_PRIORITY
+    #: Tells two TensorBoard loggers apart in a checkpoint (their smoothing state); None for the only one.
+    state_key: str | None = attrs.field(default=None, validator=optional_non_empty_str())
 
     _reader: StepLogReader = attrs.field(init=False)
     _writer: Any = attrs.field(init=False, default=None)
     _active: bool = attrs.field(init=False, default=False)
+    _running: bool = attrs.field(init=False, default=False)
     _start_step: int | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
@@ -612,16 +778,22 @@ class TensorBoardHook(_StepRecordLogger):
         if writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            purge = self._start_step + 1 if self._start_step else None  # keep the resumed step's own events
-            writer = self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge)
+            # Events of an earlier run after the start step are void, like the rows of metrics.csv: a fresh
+            # run replaces the earlier event files (TensorBoard applies a purge step only to files it reads
+            # before, in name order, which two runs started within one second do not keep); a resumed run
+            # keeps the events up to its step and purges the rest.
+            start = self._start_step or 0
+            if start == 0:
+                for stale in Path(self.log_dir).glob("events.out.tfevents.*"):
+                    stale.unlink(missing_ok=True)
+            writer = self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=start + 1)
         step = int(record["step"])
         for key, value in record.items():
             if key not in ("step", "epoch"):
                 writer.add_scalar(_tag(key), value, step)
         writer.flush()
 
-    def close(self) -> None:
-        """Flush and close the event file (idempotent)."""
+    def _release(self) -> None:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()

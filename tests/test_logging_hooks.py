@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import functools
 import io
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,7 +214,35 @@ def test_progress_bar_stays_readable_at_80_columns() -> None:
     assert all(len(frame) <= 80 for frame in frames), max(frames, key=len)
     bar = last.split("|")[1]
     assert len(bar) >= 8, last  # the bar itself keeps its width
-    assert "epoch 1/1" in last and "200/200" in last and "loss " in last and "val_acc" in last
+    assert "epoch 1/1" in last and "200/200" in last
+    # after the validation too, the smoothed loss and the throughput come first; no room is left for val_*
+    assert re.search(r", loss [0-9.]+ samples/s [0-9]+$", last), last
+
+
+def test_progress_bar_shows_validation_after_the_throughput_where_it_fits() -> None:
+    stream = io.StringIO()
+    hook = ProgressBarHook(log_every_n_steps=1, stream=stream, use_bar=True, refresh_interval=1e-9, ncols=120)
+    with strategy([hook], max_steps=20, data=batches(1, seed=3)) as s:
+        s.run(batches(20))
+    last = [frame for frame in stream.getvalue().replace("\n", "\r").split("\r") if frame.strip()][-1]
+    assert re.search(r", loss [0-9.]+ samples/s [0-9]+ val_acc [0-9.]+ val_loss [0-9.]+$", last), last
+
+
+def test_progress_postfix_skips_an_entry_that_does_not_fit() -> None:
+    hook = ProgressBarHook(ncols=82)  # no bar drawn: 82 - 34 fixed - 8 for the bar = 40 columns of postfix
+    hook._postfix.update(
+        {
+            "val_loss": "0.2994",
+            "val_balanced_accuracy": "0.9526",
+            "samples/s": "74130",
+            "val_f1": "0.91",
+            "loss": "0.1234",
+        }
+    )
+    # loss and samples/s first; "val_balanced_acc 0.9526" does not fit, the shorter "val_f1 0.91" after it does
+    assert hook._postfix_text() == "loss 0.1234 samples/s 74130 val_f1 0.91"
+    hook.ncols = 60  # 18 columns: the loss only
+    assert hook._postfix_text() == "loss 0.1234"
 
 
 def test_progress_is_silent_off_rank_zero() -> None:
@@ -279,3 +308,19 @@ def test_tensorboard_resume_purges_later_events(tmp_path: Path) -> None:
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 1.0), (4, 0.5), (6, 0.5)]
+
+
+def test_tensorboard_fresh_run_purges_an_earlier_runs_events(tmp_path: Path) -> None:
+    """A fresh run into a used folder replaces the events, as the CSV logger replaces metrics.csv."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with strategy([TensorBoardHook(tmp_path, log_every_n_steps=2)], max_steps=6) as s:
+        s.run(batches(6))
+    with strategy([TensorBoardHook(tmp_path, log_every_n_steps=2)], max_steps=4, data=batches(1, seed=3)) as s:
+        s.run(batches(4, seed=1))
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4]  # not step 6 of the first run
+    assert len(events.Scalars("train/loss")) == 2  # nor its steps 2 and 4 beside the new ones
+    assert [e.step for e in events.Scalars("val/loss")] == [4]

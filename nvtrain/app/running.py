@@ -17,7 +17,7 @@ from nvtrain.app.building import Built, build
 from nvtrain.app.checking import Plan, env_world_size
 from nvtrain.app.run_watch import RunWatch
 from nvtrain.app.status import EXIT_OK, EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
-from nvtrain.errors import ResumeError
+from nvtrain.errors import ResumeError, TrainingDivergedError
 from nvtrain.hook import SavesCheckpoints
 
 logger = logging.getLogger("nvtrain.app")
@@ -40,7 +40,8 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
     down at the end; only rank 0 writes the config, the metrics and the plot, and
     prints. Construction errors raise :class:`~nvtrain.config.ConfigError` before
     anything is written; a diverged run raises
-    :class:`~nvtrain.errors.TrainingDivergedError`.
+    :class:`~nvtrain.errors.TrainingDivergedError`, once its curves are drawn (the
+    loggers wrote its last steps when the strategy closed).
     """
     out = out if out is not None else sys.stdout
     config = plan.config
@@ -72,11 +73,20 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
         if rank == 0:
             _announce(plan, built)
         strategy = built.strategy
-        with strategy:
-            try:
-                result = strategy.run(built.train_loader)
-            except ResumeError as err:
-                raise plan.loaded.error(f"cannot resume: {_with_model_changes(str(err), built)}", ("hooks",)) from None
+        try:
+            with strategy:
+                try:
+                    result = strategy.run(built.train_loader)
+                except ResumeError as err:
+                    message = f"cannot resume: {_with_model_changes(str(err), built)}"
+                    raise plan.loaded.error(message, ("hooks",)) from None
+        except TrainingDivergedError as err:
+            if rank == 0:  # the metrics of the steps it took are worth seeing, the divergence most of all
+                try:
+                    _plot(plan)
+                except Exception as plot_err:  # the divergence stays the error reported
+                    err.add_note(f"curves.png was not drawn: {type(plot_err).__name__}: {plot_err}")
+            raise
         seconds = time.perf_counter() - started
         code = EXIT_OK
         saved = None
@@ -130,6 +140,17 @@ def _seed_everything(seed: int) -> None:
     numpy.random.seed(seed % 2**32)
 
 
+def _plot(plan: Plan) -> None:
+    """Draw ``curves.png`` from the run's ``metrics.csv`` (when ``logging.plot`` is on and there are values)."""
+    config = plan.config
+    metrics_file = plan.run_dir / "metrics.csv"
+    if config.logging.plot and config.logging.csv and metrics_file.exists():
+        from nvtrain.plotting import PLOT_NAME, plot_metrics, read_metrics
+
+        if read_metrics(metrics_file):
+            plot_metrics(metrics_file, plan.run_dir / PLOT_NAME, title=config.name)
+
+
 def _finish(
     plan: Plan,
     result: Any,
@@ -141,12 +162,7 @@ def _finish(
     resumed: bool,
 ) -> None:
     config = plan.config
-    metrics_file = plan.run_dir / "metrics.csv"
-    if config.logging.plot and config.logging.csv and metrics_file.exists():
-        from nvtrain.plotting import PLOT_NAME, plot_metrics, read_metrics
-
-        if read_metrics(metrics_file):
-            plot_metrics(metrics_file, plan.run_dir / PLOT_NAME, title=config.name)
+    _plot(plan)
     epoch = watch.last_step_epoch if watch.last_step_epoch is not None else result.epoch
     total = config.trainer.num_epochs
     summary = [
