@@ -332,11 +332,11 @@ class TrainingStrategy:
                 if not scheduler.is_last_step:  # a signal or stop request during validation ends the run here
                     scheduler.poll_preemption()
                     ctx.preempted = scheduler.sigterm_received
-        # An epoch cut short (max_steps, a stop request, a preemption) is not a completed one: no
-        # epoch-end validation, as ``every_n_epochs`` counts completed epochs and a checkpoint of the
-        # last step (taken at AFTER_BATCH, see _validation_follows) could not hold what it changed.
+        # The epoch's end validates; so does a run's last step inside an epoch (max_steps): the run's
+        # result describes its final weights. Not a stop request's or a preemption's step.
         epoch_completed = scheduler.epoch > epoch
-        if epoch_completed and not scheduler.sigterm_received and validated_at != ctx.step_count:
+        stopped_early = scheduler.stop_reason is not None and not epoch_completed
+        if not scheduler.sigterm_received and not stopped_early and validated_at != ctx.step_count:
             self._maybe_validate_on_epoch()
         if epoch_completed:
             self._step_schedules("epoch")
@@ -653,7 +653,8 @@ class TrainingStrategy:
         if scheduler.is_val_step:
             return True
         interval = config.epoch_interval
-        return bool(scheduler.is_last_batch and interval and (self.ctx.epoch + 1) % interval == 0)
+        ends_epoch = scheduler.is_last_batch or scheduler.is_last_step  # the epoch's end, or the run's inside it
+        return bool(ends_epoch and interval and (self.ctx.epoch + 1) % interval == 0)
 
     def _per_step_schedulers(self) -> dict[str, list[Any]]:
         """The schedulers the orchestrator steps after each real optimizer step, by optimizer."""

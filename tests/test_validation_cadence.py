@@ -70,28 +70,32 @@ def test_the_epoch_cadence_is_an_int_none_or_auto(
     assert _validated(make_strategy, batches, **settings) == expected
 
 
-@pytest.mark.parametrize(("max_steps", "expected"), [(6, [4]), (4, [4]), (3, []), (8, [4, 8])])
-def test_an_epoch_cut_short_by_max_steps_gets_no_epoch_end_validation(
+@pytest.mark.parametrize(("max_steps", "expected"), [(6, [4, 6]), (4, [4]), (3, [3]), (8, [4, 8])])
+def test_a_run_ending_inside_an_epoch_validates_its_last_step(
     make_strategy: Any, batches: Any, max_steps: int, expected: list[int]
 ) -> None:
-    """``every_n_epochs`` counts completed epochs: a run ending at ``max_steps`` inside an epoch does not
-    validate that epoch (a checkpoint of its last step is taken before any validation could run)."""
+    """The epoch cadence validates a run's last step when ``max_steps`` ends the run inside an epoch, so the
+    run's result describes its final weights; once, also when the step ends an epoch too."""
     config = nvtrain.StepSchedulerConfig(ckpt_every_steps=None, max_steps=max_steps)
     assert _validated(make_strategy, batches, every_n_epochs=1, step_scheduler=config, epochs=3) == expected
 
 
-def test_continuing_a_cut_epoch_validates_it_once_when_it_completes(make_strategy: Any, batches: Any) -> None:
-    """A second ``run()`` with a larger ``max_steps`` validates as one straight run does: once per completed
-    epoch, and nothing extra where the first run stopped."""
-    watch = ValidationSteps()
-    config = nvtrain.StepSchedulerConfig(ckpt_every_steps=None, max_steps=6)
-    validation = nvtrain.ValidationConfig(data=batches(2), every_n_epochs=1)
-    strategy = make_strategy([watch], validation=validation, step_scheduler=config, num_epochs=3)
-    loader = batches(4)
-    strategy.run(loader)
-    strategy.step_scheduler = attrs.evolve(config, max_steps=12)
-    strategy.run(loader)
-    assert watch.steps == [4, 8, 12]
+def test_the_run_end_follows_the_epoch_interval(make_strategy: Any, batches: Any) -> None:
+    """``every_n_epochs=2``: a run ending inside the first epoch does not validate, one ending inside the
+    second does (as that epoch's end would have)."""
+    for max_steps, expected in ((3, []), (6, [6])):
+        config = nvtrain.StepSchedulerConfig(ckpt_every_steps=None, max_steps=max_steps)
+        assert _validated(make_strategy, batches, every_n_epochs=2, step_scheduler=config, epochs=3) == expected
+
+
+def test_a_stop_request_inside_an_epoch_ends_the_run_without_a_validation(make_strategy: Any, batches: Any) -> None:
+    class StopAtTwo:
+        @nvtrain.hookimpl
+        def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+            if ctx.step_count == 2:
+                ctx.request_stop("enough")
+
+    assert _validated(make_strategy, batches, StopAtTwo(), every_n_epochs=1) == []
 
 
 @pytest.mark.parametrize("value", [0, -1, True, "always", 1.0])

@@ -236,15 +236,16 @@ class CheckpointHook:
     def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
         """Save after the last micro-batch of a window, once every other hook has finished with it.
 
-        A step that ends its epoch is saved at AFTER_EPOCH instead: the epoch's validation and its
-        epoch-interval LR schedules run after this stage, and a resumed run would not redo them.
+        A step that ends its epoch, or the run inside one (``max_steps``), is saved at AFTER_EPOCH
+        instead: the epoch's (or the run's final) validation and the epoch-interval LR schedules run
+        after this stage, and a resumed run would not redo them.
         """
         if not ctx.sync_gradients:
             return
         scheduler = ctx.scheduler if ctx.windowed else None  # standalone train_batch(): no scheduler decides
         if not self._due(ctx, scheduler):
             return
-        if scheduler is not None and scheduler.is_last_batch:
+        if scheduler is not None and (scheduler.is_last_batch or scheduler.is_last_step):
             self._epoch_end_save = True
         elif ctx.validation_follows:
             self._after_validation_save = True  # the checkpoint holds what this step's validation changes
