@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,15 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-__all__ = ["DataCursor", "is_stateful_dataloader"]
+__all__ = [
+    "DataCursor",
+    "capture_rng",
+    "epoch_iterator",
+    "is_one_shot",
+    "is_stateful_dataloader",
+    "loader_generators",
+    "restore_rng",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +116,7 @@ class DataCursor:
         micro-batches.
         """
         if position == 0 and not reopen:
-            return iter(self.loader)
+            return epoch_iterator(self.loader, epoch)
         if self.reason is None:
             return self._open_by_index(position, epoch)
         return self._replay(position, epoch)
@@ -169,7 +177,7 @@ class DataCursor:
                 self.reason,
                 advice,
             )
-        iterator = iter(self.loader)
+        iterator = epoch_iterator(self.loader, epoch)
         for skipped in range(position):
             if next(iterator, _NO_ITEM) is _NO_ITEM:
                 raise ValueError(
@@ -177,6 +185,76 @@ class DataCursor:
                     f"only {skipped} this epoch"
                 )
         return _drawn_now(iterator) if position == 0 else iterator
+
+
+def loader_generators(loader: Any) -> dict[str, torch.Generator]:
+    """The ``torch.Generator`` objects a new iterator of ``loader`` may draw from, by attribute path, each once.
+
+    The one place that knows where a loader keeps its generators: the checkpoint's RNG
+    state keys them by these paths, and the epoch's RNG state lists them in this order.
+    """
+    found: dict[str, torch.Generator] = {}
+    if loader is None:
+        return found
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    candidates = {
+        "loader.generator": getattr(loader, "generator", None),
+        "loader.sampler.generator": getattr(getattr(loader, "sampler", None), "generator", None),
+        "loader.batch_sampler.generator": getattr(batch_sampler, "generator", None),
+        "loader.batch_sampler.sampler.generator": getattr(getattr(batch_sampler, "sampler", None), "generator", None),
+    }
+    for path, generator in candidates.items():
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found.values()):
+            found[path] = generator
+    return found
+
+
+def capture_rng(generators: Sequence[torch.Generator]) -> dict[str, Any]:
+    """The global random state and ``generators``' states, for :func:`restore_rng`."""
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
+
+
+def restore_rng(state: Mapping[str, Any], generators: Sequence[torch.Generator]) -> None:
+    """Put back what :func:`capture_rng` took (the generators listed in the same order)."""
+    saved = list(state.get("generators", []))
+    if len(saved) != len(generators):
+        raise ValueError(
+            f"StepScheduler: the saved epoch RNG holds {len(saved)} sampler/loader generator state(s) but the "
+            f"dataloader has {len(generators)} generator(s); build the loader the same way as the saved run"
+        )
+    torch.set_rng_state(state["torch"])
+    for generator, generator_state in zip(generators, saved, strict=True):
+        generator.set_state(generator_state)
+
+
+def is_one_shot(loader: Any) -> bool:
+    """Whether ``loader`` is an iterator (a generator, say): ``iter()`` gives itself, read once, never again."""
+    return isinstance(loader, Iterator)
+
+
+def epoch_iterator(loader: Any, epoch: int) -> Iterator[Any]:
+    """``iter(loader)`` for ``epoch``, making the random draws an uninterrupted run makes there.
+
+    A loader with persistent workers keeps one iterator for its lifetime: the first
+    ``iter()`` creates it and draws the workers' base seed before the sampler draws the
+    epoch's order; later epochs reset it and draw only the order. A resumed or continued
+    run must draw what the uninterrupted one drew at this epoch, whichever iterator it
+    holds: an epoch after the first that finds no live iterator (a resume in a new
+    process) creates one off the record (its draws undone) and resets it; the first epoch
+    found with a live iterator (a second ``run()`` continuing it) draws the base seed first.
+    Any other loader gets a plain ``iter(loader)``.
+    """
+    if not (getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0) > 0):
+        return iter(loader)
+    live = getattr(loader, "_iterator", None) is not None
+    if epoch > 0 and not live:
+        generators = list(loader_generators(loader).values())
+        before = capture_rng(generators)
+        iter(loader)  # starts the workers; the draws it makes are undone
+        restore_rng(before, generators)
+    elif epoch == 0 and live:
+        torch.empty((), dtype=torch.int64).random_(generator=loader.generator)  # the first iter()'s base seed
+    return iter(loader)
 
 
 def _drawn_now(iterator: Iterator[Any]) -> Iterator[Any]:

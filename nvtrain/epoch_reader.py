@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-from nvtrain.data_cursor import DataCursor, is_stateful_dataloader
+from nvtrain.data_cursor import (
+    DataCursor,
+    capture_rng,
+    epoch_iterator,
+    is_one_shot,
+    is_stateful_dataloader,
+    loader_generators,
+    restore_rng,
+)
 
 __all__ = ["NO_ITEM", "EpochReader", "loader_generators", "loader_len", "loader_parts"]
 
@@ -50,44 +58,6 @@ def loader_parts(loader: Any) -> list[Any]:
         if part is not None and all(part is not seen for seen in parts):
             parts.append(part)
     return parts
-
-
-def loader_generators(loader: Any) -> dict[str, torch.Generator]:
-    """The ``torch.Generator`` objects a new iterator of ``loader`` may draw from, by attribute path, each once.
-
-    The one place that knows where a loader keeps its generators: the checkpoint's RNG
-    state keys them by these paths, and the epoch's RNG state lists them in this order.
-    """
-    found: dict[str, torch.Generator] = {}
-    if loader is None:
-        return found
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    candidates = {
-        "loader.generator": getattr(loader, "generator", None),
-        "loader.sampler.generator": getattr(getattr(loader, "sampler", None), "generator", None),
-        "loader.batch_sampler.generator": getattr(batch_sampler, "generator", None),
-        "loader.batch_sampler.sampler.generator": getattr(getattr(batch_sampler, "sampler", None), "generator", None),
-    }
-    for path, generator in candidates.items():
-        if isinstance(generator, torch.Generator) and all(generator is not g for g in found.values()):
-            found[path] = generator
-    return found
-
-
-def _capture_rng(generators: Sequence[torch.Generator]) -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
-
-
-def _restore_rng(state: Mapping[str, Any], generators: Sequence[torch.Generator]) -> None:
-    saved = list(state.get("generators", []))
-    if len(saved) != len(generators):
-        raise ValueError(
-            f"StepScheduler: the saved epoch RNG holds {len(saved)} sampler/loader generator state(s) but the "
-            f"dataloader has {len(generators)} generator(s); build the loader the same way as the saved run"
-        )
-    torch.set_rng_state(state["torch"])
-    for generator, generator_state in zip(generators, saved, strict=True):
-        generator.set_state(generator_state)
 
 
 class EpochReader:
@@ -134,12 +104,12 @@ class EpochReader:
         loader = self.loader
         generators = list(loader_generators(loader).values())
         if position == 0 and self.epoch_rng is None:
-            self.epoch_rng = _capture_rng(generators)
-            iterator = iter(loader)
+            self.epoch_rng = capture_rng(generators)
+            iterator = epoch_iterator(loader, epoch)
         elif self._loaded_state is not None:  # a StatefulDataLoader continues from its own saved state
             iterator = self._resume_stateful(self._loaded_state, generators, position, epoch)
         else:
-            now = _capture_rng(generators)
+            now = capture_rng(generators)
             if self.epoch_rng is None:
                 warnings.warn(
                     f"StepScheduler: resuming epoch {epoch + 1} at micro-batch {position} without the epoch's "
@@ -148,12 +118,12 @@ class EpochReader:
                     stacklevel=4,
                 )
             else:
-                _restore_rng(self.epoch_rng, generators)
+                restore_rng(self.epoch_rng, generators)
             try:  # without reading the consumed micro-batches where the loader allows it
                 # (position 0 with the epoch's states: a state captured inside its first window)
                 iterator = DataCursor(loader).open(position, epoch, reopen=True)
             finally:
-                _restore_rng(now, generators)
+                restore_rng(now, generators)
         self.iterator, self.pending, self.pulled = iterator, NO_ITEM, position
         self.items = loader_len(loader) if self.sized else None
         return iterator
@@ -168,7 +138,7 @@ class EpochReader:
         state, which the checkpoint restored, so later draws (dropout) match the uninterrupted run.
         """
         loader = self.loader
-        now = _capture_rng(generators)
+        now = capture_rng(generators)
         try:
             loader.load_state_dict(saved["state"])
             iterator: Iterator[Any] = iter(loader)
@@ -179,7 +149,7 @@ class EpochReader:
             )
             raise
         finally:
-            _restore_rng(now, generators)
+            restore_rng(now, generators)
         self._loaded_state = None
         return iterator
 
@@ -207,6 +177,16 @@ class EpochReader:
         peeked = next(self.iterator, NO_ITEM)
         self.pending = peeked
         return peeked is NO_ITEM
+
+    def release(self) -> None:
+        """Let go of the live iterator (its worker processes end now, not whenever the garbage collector
+        finds this reader); the position stays, so the epoch is reopened there if read again. A one-shot
+        iterator (the loader itself) is kept: it owns nothing, and could not be reopened."""
+        if self.iterator is None or is_one_shot(self.loader):
+            return
+        if self.stateful:  # a StatefulDataLoader reopens from its own state at the position (None: mid-step)
+            self._loaded_state = self.loader_entry(self.pulled, self.pulled)
+        self.iterator, self.pending = None, NO_ITEM
 
     def drop(self) -> None:
         """Forget the live iterator (the epoch changes, or a state is loaded)."""

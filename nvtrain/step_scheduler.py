@@ -39,6 +39,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from nvtrain.data_cursor import is_one_shot
 from nvtrain.data_resharding import global_order, resharded_position
 from nvtrain.epoch_reader import NO_ITEM, EpochReader, loader_len, loader_parts
 from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
@@ -643,6 +644,8 @@ class StepScheduler:
             "dp_size": self.dp_size,
             "grad_acc_steps": self.grad_acc_steps,
             "loader_len": self._loader_len,
+            # the samples behind the loader: another data set of the same len(loader) shuffles to another order
+            "dataset_len": loader_len(getattr(self.dataloader, "dataset", None)),
             "global_order": global_order(self.dataloader),
         }
 
@@ -682,6 +685,35 @@ class StepScheduler:
             "config": self._config(),
         }
 
+    def release_data(self) -> None:
+        """Let go of the epoch's live iterator (a loader's worker processes end now); the position stays,
+        and the epoch is reopened there if read again."""
+        self._reader.release()
+
+    def continue_from(self, previous: StepScheduler) -> None:
+        """Go on where ``previous`` (the last run's scheduler over the same loader) stopped.
+
+        Its position is loaded (:meth:`load_state_dict`: a ValueError when this run's batch
+        configuration cannot take it). When ``previous`` still holds the epoch's live
+        iterator right at that position, this scheduler reads on from it, so the data
+        continues exactly as in one longer run, without reopening the epoch; otherwise the
+        epoch is reopened at the position, which a one-shot iterator (a generator) cannot
+        do: that is a RuntimeError saying so, never a silently skipped stretch of data.
+        """
+        self.load_state_dict(previous.state_dict())
+        reader = previous._reader
+        live = reader.iterator is not None and previous.epoch == self.epoch and reader.pulled == self._position
+        if live and reader.loader is self.dataloader and reader.sized == self._reader.sized:
+            self._reader, previous._reader = reader, EpochReader(previous.dataloader, sized=reader.sized)
+            return
+        if self._position and is_one_shot(self.dataloader):
+            raise RuntimeError(
+                f"StepScheduler: cannot continue epoch {self.epoch + 1} at micro-batch {self._position} of a one-shot "
+                f"iterator ({type(self.dataloader).__qualname__}): the last run did not end at a step boundary with it "
+                "(or its strategy was closed), and what it read past that point cannot be read again. Pass a loader "
+                "that can be iterated again (a DataLoader, a list) to continue or resume"
+            )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`); refuses a different batch / data configuration."""
         if self._iterating or self._open:
@@ -693,6 +725,13 @@ class StepScheduler:
             raise ValueError(f"StepScheduler.load_state_dict: the state lacks {missing} (keys: {sorted(state)})")
         saved = dict(state["config"])
         mine = self._config()
+        saved_samples, samples = saved.get("dataset_len"), mine["dataset_len"]
+        if saved_samples is not None and samples is not None and saved_samples != samples:  # None: not known
+            raise ValueError(
+                f"StepScheduler.load_state_dict: the state was saved reading a data set of {saved_samples} samples, "
+                f"the dataloader's has {samples}: the saved position and sample order do not fit it. Resume with "
+                "the same data, or restore without the data position"
+            )
         differ = {key: (saved.get(key), mine[key]) for key in _CONFIG_KEYS if saved.get(key) != mine[key]}
         for key in ("step", "epoch", "position"):
             _check_int("StepScheduler.load_state_dict", key, state[key], 0)

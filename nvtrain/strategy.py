@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import signal
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -381,8 +381,17 @@ class TrainingStrategy:
         self._ensure_accumulation(scheduler, accumulation)
         previous = ctx.scheduler
         if isinstance(previous, StepScheduler) and previous.dataloader is loader:
-            with contextlib.suppress(ValueError):  # another batch configuration: start the epoch afresh
-                scheduler.load_state_dict(previous.state_dict())  # continue where the last run stopped
+            try:
+                scheduler.continue_from(previous)  # where the last run stopped, on its live iterator if it can
+            except ValueError as err:
+                stopped = previous.state_dict()
+                warnings.warn(
+                    f"TrainingStrategy.run(): the last run stopped at micro-batch {stopped['position']} of epoch "
+                    f"{stopped['epoch'] + 1}, which this run's batch configuration cannot continue ({err}); the "
+                    "epoch starts again from its first micro-batch",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         return scheduler
 
     def _scheduler_group(self) -> Any:
@@ -789,16 +798,26 @@ class TrainingStrategy:
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close every hook that holds resources (reverse registration order); re-raise the first failure."""
-        self.ctx.release_step_graph()
+        """Close every hook that holds resources (reverse registration order); re-raise the first failure.
+
+        The last run's epoch iterator is let go too: a multi-worker loader's worker processes
+        end now rather than whenever the garbage collector finds this strategy. A later
+        ``run()`` reopens the epoch where the last one stopped.
+        """
+        self._release_run()
         self.registry.close()
 
     def __enter__(self) -> TrainingStrategy:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self.ctx.release_step_graph()
+        self._release_run()
         self.registry.close(exc)
+
+    def _release_run(self) -> None:
+        self.ctx.release_step_graph()
+        if isinstance(self.ctx.scheduler, StepScheduler):
+            self.ctx.scheduler.release_data()
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
 
 from nvtrain import StepScheduler, StepSchedulerConfig
 
@@ -414,8 +415,28 @@ def test_state_dict_records_the_configuration_to_match() -> None:
         "dp_size": 1,
         "grad_acc_steps": 2,
         "loader_len": 4,
+        "dataset_len": None,  # a plain list has no dataset behind it
         "global_order": None,  # a plain list: no DistributedSampler fixes a global sample order
     }
+
+
+def _shuffled(samples: int) -> DataLoader[Any]:
+    return DataLoader(TensorDataset(torch.arange(samples)), batch_size=2, shuffle=True)
+
+
+def test_load_state_dict_refuses_another_data_set_of_the_same_loader_length() -> None:
+    """10 and 9 samples in batches of 2 both make 5 micro-batches; the shuffled order is another one."""
+    state = make(_shuffled(10)).state_dict()
+    assert state["config"]["dataset_len"] == 10
+    with pytest.raises(ValueError, match=r"a data set of 10 samples, the dataloader's has 9: the saved position"):
+        make(_shuffled(9)).load_state_dict(state)
+    make(_shuffled(10)).load_state_dict(state)  # the same data: accepted
+
+
+def test_a_state_saved_before_the_data_set_length_was_recorded_still_loads() -> None:
+    state = make(_shuffled(10)).state_dict()
+    del state["config"]["dataset_len"]
+    make(_shuffled(10)).load_state_dict(state)
 
 
 def test_load_state_dict_refuses_another_configuration() -> None:
