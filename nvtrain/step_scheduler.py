@@ -725,6 +725,12 @@ class StepScheduler:
             raise ValueError(f"StepScheduler.load_state_dict: the state lacks {missing} (keys: {sorted(state)})")
         saved = dict(state["config"])
         mine = self._config()
+        differ = {key: (saved.get(key), mine[key]) for key in _CONFIG_KEYS if saved.get(key) != mine[key]}
+        for key in ("step", "epoch", "position"):
+            _check_int("StepScheduler.load_state_dict", key, state[key], 0)
+        if differ:
+            state = self._resharded(state, saved, mine, differ)
+        # after the batch configuration, whose refusal names its own differences first
         saved_samples, samples = saved.get("dataset_len"), mine["dataset_len"]
         if saved_samples is not None and samples is not None and saved_samples != samples:  # None: not known
             raise ValueError(
@@ -732,11 +738,6 @@ class StepScheduler:
                 f"the dataloader's has {samples}: the saved position and sample order do not fit it. Resume with "
                 "the same data, or restore without the data position"
             )
-        differ = {key: (saved.get(key), mine[key]) for key in _CONFIG_KEYS if saved.get(key) != mine[key]}
-        for key in ("step", "epoch", "position"):
-            _check_int("StepScheduler.load_state_dict", key, state[key], 0)
-        if differ:
-            state = self._resharded(state, saved, mine, differ)
         loader_state = self._reader.check_loader_entry(state.get("loader"), "StepScheduler.load_state_dict")
         self.step, self.epoch, self._position = int(state["step"]), int(state["epoch"]), int(state["position"])
         self._reader.load(state.get("epoch_rng"), loader_state, self._position)
