@@ -3,6 +3,7 @@ loop, the validation and the loggers."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, MutableMapping
@@ -70,13 +71,24 @@ def device_mover(device: torch.device) -> Callable[[Any], Any]:
 
 
 def _same_mapping(original: Mapping[Any, Any], moved: dict[Any, Any]) -> Any:
-    """``moved`` in ``original``'s mapping class: a shallow copy updated in place, so classes whose constructor
-    takes other arguments (``defaultdict``'s factory) keep them; a read-only mapping becomes a dict."""
-    if not isinstance(original, MutableMapping):
-        return moved
-    copied = copy.copy(original)
-    copied.update(moved)
-    return copied
+    """``moved`` in ``original``'s mapping class, never changing ``original``.
+
+    A dict subclass or a ``UserDict`` (a ``BatchEncoding``) is copied and updated, so a
+    constructor taking other arguments (``defaultdict``'s factory) is no obstacle: their
+    copies hold items of their own. Any other mapping class is built from the moved
+    items, or, when its constructor will not take them (or it is read-only), a dict.
+    """
+    if isinstance(original, (dict, collections.UserDict)):
+        copied = copy.copy(original)
+        copied.update(moved)
+        return copied
+    if isinstance(original, MutableMapping):
+        cls: Any = type(original)
+        try:
+            return cls(moved)
+        except TypeError:
+            return moved
+    return moved
 
 
 def _record_fields(batch: Any) -> tuple[str, ...]:

@@ -95,7 +95,7 @@ class EpochReader:
         self.pending: Any = NO_ITEM
         self.pulled = 0
         self.items: int | None = None
-        self._state_before_lookahead: tuple[int, dict[str, Any]] | None = None  # (pulled, loader state)
+        self._state_before_lookahead: tuple[int, dict[str, Any] | None] | None = None  # (pulled, loader state)
 
     # -- the epoch's iterator ------------------------------------------------------------------
 
@@ -178,14 +178,23 @@ class EpochReader:
         self.pending = peeked
         return peeked is NO_ITEM
 
-    def release(self) -> None:
+    def untouched(self) -> bool:
+        """Whether the live iterator has yielded just what this reader took: a DataLoader iterator counts
+        what it yields, and one with persistent workers is reset by anybody's ``iter(loader)``."""
+        iterator = self.iterator
+        if iterator is None:
+            return False
+        yielded = getattr(iterator, "_num_yielded", None)
+        return yielded is None or yielded == self.pulled + (self.pending is not NO_ITEM)
+
+    def release(self, position: int) -> None:
         """Let go of the live iterator (its worker processes end now, not whenever the garbage collector
-        finds this reader); the position stays, so the epoch is reopened there if read again. A one-shot
-        iterator (the loader itself) is kept: it owns nothing, and could not be reopened."""
+        finds this reader); the epoch is reopened at ``position`` (where the closed windows end) if read
+        again. A one-shot iterator (the loader itself) is kept: it owns nothing, and could not be reopened."""
         if self.iterator is None or is_one_shot(self.loader):
             return
-        if self.stateful:  # a StatefulDataLoader reopens from its own state at the position (None: mid-step)
-            self._loaded_state = self.loader_entry(self.pulled, self.pulled)
+        if self.stateful:  # reopened from its own state at the position; None when read past it (mid-step)
+            self._loaded_state = self.loader_entry(position, position)
         self.iterator, self.pending = None, NO_ITEM
 
     def drop(self) -> None:
@@ -201,8 +210,17 @@ class EpochReader:
 
     # -- what a checkpoint holds --------------------------------------------------------------------
 
-    def _current_loader_state(self) -> dict[str, Any]:
-        return {"num_workers": self.loader.num_workers, "state": self.loader.state_dict()}
+    def _current_loader_state(self) -> dict[str, Any] | None:
+        """The loader's state at what this reader took, from the iterator that yielded it: the live one, or
+        the loader's own behind a wrapper (the loader's ``state_dict()`` describes whichever iterator it
+        made last, maybe somebody else's). None when that iterator was read or reset elsewhere: the
+        position is then replayed."""
+        expected = self.pulled + (self.pending is not NO_ITEM)
+        for iterator in (self.iterator, getattr(self.loader, "_iterator", None)):
+            state_of = getattr(iterator, "state_dict", None)
+            if callable(state_of) and getattr(iterator, "_num_yielded", expected) == expected:
+                return {"num_workers": self.loader.num_workers, "state": state_of()}
+        return None
 
     def loader_entry(self, position: int, closed_position: int) -> dict[str, Any] | None:
         """A StatefulDataLoader's state after exactly ``position`` micro-batches of the current epoch.

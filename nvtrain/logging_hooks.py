@@ -346,6 +346,8 @@ class ProgressBarHook:
 
     @hookimpl
     def before_training(self, ctx: TrainingContext) -> None:
+        if self._running:  # the last run ended by an exception and nobody closed the strategy
+            self.close()  # shows its unlogged steps; its open window is not continued
         self._active = ctx.rank == 0
         self._started = False
         self._running = True
@@ -559,6 +561,8 @@ class _StepRecordLogger:
 
     @hookimpl
     def before_training(self, ctx: TrainingContext) -> None:
+        if self._running:  # the last run ended by an exception and nobody closed the strategy
+            self.close()  # writes its unlogged steps; its open window is not continued
         self._active = ctx.rank == 0
         self._running = True
         self._start_step = None
@@ -645,8 +649,10 @@ class CSVLoggerHook(_StepRecordLogger):
     path: Path = attrs.field(converter=Path)
     log_every_n_steps: int = attrs.field(default=10, validator=int_at_least(1))
     priority: int = LOGGING_PRIORITY
-    #: Tells two CSV loggers apart in a checkpoint (their smoothing state); None for the only one.
-    state_key: str | None = attrs.field(default=None, validator=optional_non_empty_str())
+    #: Tells two CSV loggers apart in a checkpoint (their smoothing state); default: the file's name.
+    state_key: str | None = attrs.field(
+        default=attrs.Factory(lambda self: self.path.name or None, takes_self=True), validator=optional_non_empty_str()
+    )
 
     _reader: StepLogReader = attrs.field(init=False)
     _columns: list[str] = attrs.field(init=False, factory=list)
@@ -759,8 +765,11 @@ class TensorBoardHook(_StepRecordLogger):
     #: None: follow the step scheduler's ``log_remote_every_steps`` (the experiment-logger cadence).
     log_every_n_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     priority: int = LOGGING_PRIORITY
-    #: Tells two TensorBoard loggers apart in a checkpoint (their smoothing state); None for the only one.
-    state_key: str | None = attrs.field(default=None, validator=optional_non_empty_str())
+    #: Tells two TensorBoard loggers apart in a checkpoint (their smoothing state); default: the folder's name.
+    state_key: str | None = attrs.field(
+        default=attrs.Factory(lambda self: self.log_dir.name or None, takes_self=True),
+        validator=optional_non_empty_str(),
+    )
 
     _reader: StepLogReader = attrs.field(init=False)
     _writer: Any = attrs.field(init=False, default=None)

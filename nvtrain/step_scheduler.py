@@ -688,14 +688,16 @@ class StepScheduler:
     def release_data(self) -> None:
         """Let go of the epoch's live iterator (a loader's worker processes end now); the position stays,
         and the epoch is reopened there if read again."""
-        self._reader.release()
+        self._reader.release(self._position)
 
     def continue_from(self, previous: StepScheduler) -> None:
         """Go on where ``previous`` (the last run's scheduler over the same loader) stopped.
 
         Its position is loaded (:meth:`load_state_dict`: a ValueError when this run's batch
         configuration cannot take it). When ``previous`` still holds the epoch's live
-        iterator right at that position, this scheduler reads on from it, so the data
+        iterator right at that position, and nothing else has read from it or reset it since
+        (a loader with persistent workers resets its one iterator at every ``iter()``), this
+        scheduler reads on from it, so the data
         continues exactly as in one longer run, without reopening the epoch; otherwise the
         epoch is reopened at the position, which a one-shot iterator (a generator) cannot
         do: that is a RuntimeError saying so, never a silently skipped stretch of data.
@@ -703,7 +705,7 @@ class StepScheduler:
         self.load_state_dict(previous.state_dict())
         reader = previous._reader
         live = reader.iterator is not None and previous.epoch == self.epoch and reader.pulled == self._position
-        if live and reader.loader is self.dataloader and reader.sized == self._reader.sized:
+        if live and reader.loader is self.dataloader and reader.sized == self._reader.sized and reader.untouched():
             self._reader, previous._reader = reader, EpochReader(previous.dataloader, sized=reader.sized)
             return
         if self._position and is_one_shot(self.dataloader):
@@ -730,9 +732,12 @@ class StepScheduler:
             _check_int("StepScheduler.load_state_dict", key, state[key], 0)
         if differ:
             state = self._resharded(state, saved, mine, differ)
-        # after the batch configuration, whose refusal names its own differences first
+        # After the batch configuration, whose refusal names its own differences first. One process only:
+        # ranks may read data sets of their own (sharded by hand), and a state holds rank 0's length; under
+        # a DistributedSampler, ``global_order`` holds the length the ranks share.
         saved_samples, samples = saved.get("dataset_len"), mine["dataset_len"]
-        if saved_samples is not None and samples is not None and saved_samples != samples:  # None: not known
+        one_process = saved.get("dp_size") == mine["dp_size"] == 1
+        if one_process and saved_samples is not None and samples is not None and saved_samples != samples:
             raise ValueError(
                 f"StepScheduler.load_state_dict: the state was saved reading a data set of {saved_samples} samples, "
                 f"the dataloader's has {samples}: the saved position and sample order do not fit it. Resume with "

@@ -267,6 +267,10 @@ class TrainingStrategy:
             raise ValueError("TrainingStrategy.run(train_loader): a loader or iterable of batches is required")
         ctx, bus = self.ctx, self.registry.bus
         self._set_up(train_loader)
+        if self._saves_checkpoints():  # two hooks sharing a state key: refused now, not at the first save
+            from nvtrain.state import checkpointable_hooks, strategy_hooks
+
+            checkpointable_hooks(strategy_hooks(self))
         scheduler = self._build_scheduler(ctx.train_loader)
         ctx.scheduler = scheduler
         ctx.preempted = False
@@ -662,7 +666,8 @@ class TrainingStrategy:
         if scheduler.is_val_step:
             return True
         interval = config.epoch_interval
-        ends_epoch = scheduler.is_last_batch or scheduler.is_last_step  # the epoch's end, or the run's inside it
+        # the epoch's end, or the run's inside it at max_steps (a stop request's step does not validate)
+        ends_epoch = scheduler.is_last_batch or (scheduler.is_last_step and scheduler.stop_reason is None)
         return bool(ends_epoch and interval and (self.ctx.epoch + 1) % interval == 0)
 
     def _per_step_schedulers(self) -> dict[str, list[Any]]:

@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import functools
 import types
+from collections.abc import Iterator, MutableMapping
 from typing import Any, NamedTuple
 
 import attrs
@@ -162,3 +163,32 @@ def test_the_strategy_hands_hooks_the_batch_on_its_device(batch: Any) -> None:
     )
     strategy.train_batch(batch)
     assert seen.seen == [(type(batch).__name__, META)]
+
+
+class Store(MutableMapping[str, Any]):
+    """A mapping class of its own, its items in a dict it keeps (a shallow copy would share it)."""
+
+    def __init__(self, **items: Any) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._items[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_moving_a_mapping_of_its_own_class_leaves_the_callers_batch_on_the_cpu() -> None:
+    batch = Store(x=x())
+    moved = move(batch)
+    assert batch["x"].device.type == "cpu"  # the loader's batch (maybe a cached one) is not changed
+    assert moved["x"].device == META and isinstance(moved, dict)  # Store(**items) only: a dict

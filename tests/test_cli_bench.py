@@ -303,3 +303,23 @@ def test_the_models_train_on_seeded_batches() -> None:
     )
     assert mlp.build(torch.device("cpu"))(first[0][0]).shape == (8, 1)
     assert mlp.label == "32->64->1, batch 8"
+
+
+@pytest.mark.parametrize("name", ["csv_logger", "nvtrain.logging_hooks:CSVLoggerHook"])
+def test_a_csv_logger_of_the_config_writes_inside_the_temporary_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    work, scratch = tmp_path / "work", tmp_path / "scratch"
+    work.mkdir()
+    scratch.mkdir()
+    job = DIGITS_JOB.replace(
+        "  - {name: checkpoint, checkpoint_dir: my_ckpts, step_interval: 10, resume: auto}",
+        f"  - {{name: '{name}', path: leaked/metrics.csv}}",
+    )
+    (work / "job.yaml").write_text(job + "logging: {csv: false, plot: false}\n", encoding="utf-8")
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    code, _, err = bench(capsys, *TINY, "--config", "job.yaml")
+    assert code == 0, err
+    assert sorted(p.name for p in work.rglob("*")) == ["job.yaml"]
+    assert list(scratch.iterdir()) == []

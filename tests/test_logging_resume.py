@@ -141,3 +141,73 @@ def test_a_malformed_state_is_refused_naming_the_logger(tmp_path: Path) -> None:
     hook = CSVLoggerHook(tmp_path / "metrics.csv", state_key="second")
     with pytest.raises(ValueError, match=r"CSVLoggerHook\(state_key='second'\): not a logger's smoothing state"):
         hook.load_state_dict({"recent": []})
+
+
+def test_two_csv_loggers_of_other_file_names_are_checkpointed_apart(tmp_path: Path) -> None:
+    """The default ``state_key`` is the file's name: a second CSV file needs no setting."""
+    first, second = CSVLoggerHook(tmp_path / "a.csv", log_every_n_steps=EVERY), CSVLoggerHook(tmp_path / "b.csv")
+    checkpoint = nvtrain_checkpoint.CheckpointHook(tmp_path / "ckpt", step_interval=10)
+    run([first, second, checkpoint], 10)
+    saved = checkpoint.last_saved
+    assert saved is not None
+    assert {"csv_logger:a.csv", "csv_logger:b.csv"} <= set(checkpoint.read_checkpoint(saved[1])["hooks"])
+
+
+def test_two_loggers_sharing_a_state_key_are_refused_before_the_first_step(tmp_path: Path) -> None:
+    """Refused where the run starts, not at its first save (possibly hours later), naming both."""
+    trained: list[int] = []
+
+    class Steps:
+        @nvtrain.hookimpl
+        def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+            trained.append(ctx.step_count)
+
+    hooks = [
+        CSVLoggerHook(tmp_path / "one" / "metrics.csv"),
+        CSVLoggerHook(tmp_path / "two" / "metrics.csv"),
+        nvtrain_checkpoint.CheckpointHook(tmp_path / "ckpt", step_interval=10),
+        Steps(),
+    ]
+    with pytest.raises(ValueError, match=r"CSVLoggerHook.*and.*CSVLoggerHook.*under the key 'csv_logger:metrics.csv'"):
+        run(hooks, 10)
+    assert trained == []
+    run(hooks[:2], 3)  # without a hook that saves checkpoints nothing is keyed: no refusal
+
+
+def test_a_run_after_an_unclosed_failure_does_not_count_the_failed_micro_batches_twice() -> None:
+    """A run that raised inside an accumulation window and was never closed: the next ``run()`` replays the
+    window from its start, and its log row covers what it trained, without the failed run's partial sum."""
+    losses: dict[int, list[float]] = {}
+
+    class Fail:
+        raised = False
+
+        @nvtrain.hookimpl
+        def after_loss(self, ctx: nvtrain.TrainingContext) -> None:
+            if ctx.step_count == 2 and ctx.window_position == 1 and not self.raised:
+                self.raised = True
+                raise RuntimeError("boom")
+            if self.raised:  # the second run: each micro-batch's loss, by the step it belongs to
+                losses.setdefault(ctx.step_count + 1, []).append(float(ctx.loss.detach()))
+
+    logger = Capture(Path("unused.csv"), log_every_n_steps=4)
+    logger.records = []
+    logger._write = lambda record: logger.records.append(dict(record))  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(3, 2),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=torch.nn.functional.cross_entropy,
+        hooks=[logger, Fail(), nvtrain.hooks.GradientAccumulationHook(steps=2)],
+        device="cpu",
+        max_steps=4,
+        step_scheduler=StepSchedulerConfig(ckpt_every_steps=None),
+    )
+    data = batches()
+    with pytest.raises(RuntimeError, match="boom"):
+        strategy.run(data)
+    strategy.run(data)  # no close() in between
+    row = next(r for r in logger.records if r["step"] == 4 and "train_loss" in r)
+    trained = losses[3] + losses[4]
+    assert len(trained) == 4
+    assert row["train_loss"] == pytest.approx(sum(trained) / len(trained), rel=1e-6)

@@ -119,3 +119,63 @@ def test_close_ends_the_worker_processes_of_a_loader_the_run_left_inside_an_epoc
         run.max_steps = 4
         run.run(loader)  # the epoch is reopened where the last run stopped
     assert seen.batches == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_persistent_loader_iterated_between_runs_is_reopened_not_adopted() -> None:
+    """``iter(loader)`` resets a persistent-workers loader's one iterator: the next run must not read on
+    from it as if it were where the last run left it."""
+    loader = DataLoader(Numbered(), batch_size=2, num_workers=1, persistent_workers=True)
+    seen = Samples()
+    try:
+        run = strategy([seen], max_steps=2)
+        run.run(loader)
+        next(iter(loader))  # somebody else reads the loader between the runs
+        run.max_steps = 4
+        run.run(loader)
+    finally:
+        loader._iterator._shutdown_workers()  # not left to the garbage collector (a 5 s join)
+    assert seen.batches == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata's StatefulDataLoader")
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_a_stateful_loader_iterated_between_runs_keeps_its_checkpointed_position_right() -> None:
+    loader = stateful.StatefulDataLoader(Numbered(), batch_size=1)
+    seen = Samples()
+    run = strategy([seen], max_steps=2)
+    run.run(loader)
+    next(iter(loader))  # a new iterator of the loader's own: its state is no longer the run's
+    run.max_steps = 4
+    run.run(loader)
+    assert seen.batches == [[0], [1], [2], [3]]
+    state = run.ctx.scheduler.state_dict()
+    assert state["position"] == 4 and state["loader"]["state"]["_num_yielded"] == 4
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_closing_after_a_failure_inside_a_step_keeps_a_stateful_loaders_position() -> None:
+    """close() lets go of the iterator; the loader state it keeps is the closed windows' position, not the
+    micro-batch the failed step had already read."""
+
+    class FailOnce:
+        done = False
+
+        @nvtrain.hookimpl
+        def after_forward(self, ctx: nvtrain.TrainingContext) -> None:
+            if ctx.step_count == 2 and not self.done:
+                self.done = True
+                raise RuntimeError("boom")
+
+    seen = Samples()
+    loader = stateful.StatefulDataLoader(Numbered(), batch_size=1)
+    run = strategy([seen, FailOnce()], max_steps=5)
+    with pytest.raises(RuntimeError, match="boom"):
+        run.run(loader)
+    run.close()
+    state = run.ctx.scheduler.state_dict()
+    assert state["position"] == 2
+    assert state["loader"] is None or state["loader"]["state"]["_num_yielded"] == 2
+    run.run(loader)
+    assert seen.batches == [[0], [1], [2], [2], [3], [4]]  # step 3 read [2], failed, and is trained again

@@ -584,3 +584,10 @@ def test_the_config_default_stops_after_100_skipped_steps() -> None:
     config = StepSchedulerConfig()
     assert config.max_consecutive_skipped_steps == 100
     assert config.build(list(range(4)), 1, 1).max_consecutive_skipped_steps == 100
+
+
+def test_ranks_may_read_data_sets_of_their_own_length() -> None:
+    """With several ranks a state holds rank 0's data set length, and a rank may read a shard of another:
+    only one process checks the length (a DistributedSampler's is in ``global_order``)."""
+    saved = StepScheduler(4, 2, 2, _shuffled(10), preemption_signal=None).state_dict()
+    StepScheduler(4, 2, 2, _shuffled(9), preemption_signal=None).load_state_dict(saved)

@@ -177,3 +177,25 @@ def test_the_trainers_checkpoint_steps_validate_with_the_checkpoint_hook(tmp_pat
     assert steps == [3, 6, 9]
     checkpoints = sorted(p.name for p in (tmp_path / "out" / "job" / "checkpoints").glob("step_*"))
     assert checkpoints == ["step_3", "step_6", "step_9"]
+
+
+def test_validation_follows_is_false_at_a_stop_requests_step(make_strategy: Any, batches: Any) -> None:
+    """``ctx.validation_follows`` says whether run() validates right after the step: not at a stop request's
+    step inside an epoch, which ends the run without a validation; yes at a max_steps end."""
+    follows: list[tuple[int, bool]] = []
+
+    class Watch:
+        @nvtrain.hookimpl
+        def after_forward(self, ctx: nvtrain.TrainingContext) -> None:
+            if ctx.step_count == 2:  # inside step 3: its boundary agrees the stop
+                ctx.request_stop("enough")
+
+        @nvtrain.hookimpl
+        def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+            follows.append((ctx.step_count, ctx.validation_follows))
+
+    assert _validated(make_strategy, batches, Watch(), every_n_epochs=1) == []
+    assert follows[-1][0] == 3 and not any(flag for _, flag in follows)
+    follows.clear()
+    config = nvtrain.StepSchedulerConfig(ckpt_every_steps=None, max_steps=3)
+    assert _validated(make_strategy, batches, every_n_epochs=1, step_scheduler=config) == [3]

@@ -134,6 +134,12 @@ def build(
         ),
     )
     holder["strategy"] = strategy
+    if any(isinstance(h, SavesCheckpoints) for h in plan.hooks):  # what the first save would refuse, refused now
+        from nvtrain.state import checkpointable_hooks, strategy_hooks
+
+        _constructing(
+            loaded, ("hooks",), "the checkpointed hooks", lambda: checkpointable_hooks(strategy_hooks(strategy))
+        )
     watch = RunWatch(plan, rank)
     strategy.register_hook(watch)
     built = Built(strategy=strategy, train_loader=train_loader, watch=watch, run_length=run_length)

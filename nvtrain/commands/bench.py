@@ -182,21 +182,26 @@ def contained(loaded: LoadedConfig) -> LoadedConfig:
 
     A hook's ``checkpoint_dir``, ``output_dir`` or ``log_dir`` setting (the ones
     ``nvtrain train`` fills in) is dropped, so the folder defaults into the run
-    directory as it does for a run that does not set it; a hook that takes
+    directory as it does for a run that does not set it; a CSV logger's file
+    ``path`` moves into the run directory under its own name; a hook that takes
     ``resume`` gets ``resume: never``. A hook whose class cannot be found is left as
     it is: :func:`~nvtrain.app.prepare` reports it.
     """
     import attrs
 
     from nvtrain.app.hook_stack import OUTPUT_PARAMETERS, signature_parameters
+    from nvtrain.logging_hooks import CSVLoggerHook
 
     search = [loaded.directory] if loaded.directory is not None else []
     search.append(Path.cwd())
     hooks = []
-    for hook in loaded.config.hooks:
-        parameters = signature_parameters(_hook_class(hook.name, search))
+    for index, hook in enumerate(loaded.config.hooks):
+        cls = _hook_class(hook.name, search)
+        parameters = signature_parameters(cls)
         outputs = set(OUTPUT_PARAMETERS) & set(parameters)
         settings = {key: value for key, value in hook.settings.items() if key not in outputs}
+        if isinstance(cls, type) and issubclass(cls, CSVLoggerHook) and "path" in settings:
+            settings["path"] = str(loaded.config.run_dir / f"hook{index}" / Path(str(settings["path"])).name)
         if "resume" in parameters:
             settings["resume"] = "never"
         hooks.append(attrs.evolve(hook, settings=settings))
