@@ -203,6 +203,9 @@ class StepScheduler:
         self.epoch = start_epoch
         #: Set when a synchronized stream ran out on some rank: training ends there.
         self.stream_exhausted = False
+        #: The last completed epoch's end-of-epoch validation was not run: a preemption stopped the run
+        #: there, and the grace period is for saving. Saved; a resumed run validates before it trains.
+        self.validation_owed = False
         self._position = 0  # micro-batches of this epoch consumed by closed windows
         #: Where the data stands: the epoch's iterator, what was taken, what a resume needs.
         self._reader = EpochReader(dataloader, sized=not self.synchronized_stream)
@@ -682,6 +685,7 @@ class StepScheduler:
             else {"torch": rng["torch"].clone(), "generators": [s.clone() for s in rng["generators"]]},
             "loader": self._loader_entry(position),
             "stream_exhausted": self.stream_exhausted,
+            "validation_owed": self.validation_owed,
             "config": self._config(),
         }
 
@@ -747,6 +751,7 @@ class StepScheduler:
         self.step, self.epoch, self._position = int(state["step"]), int(state["epoch"]), int(state["position"])
         self._reader.load(state.get("epoch_rng"), loader_state, self._position)
         self.stream_exhausted = bool(state.get("stream_exhausted", False))
+        self.validation_owed = bool(state.get("validation_owed", False))
         self._epoch_done, self._replay, self._window, self._window_is_last, self._boundary = (
             False,
             None,

@@ -284,6 +284,8 @@ class TrainingStrategy:
                 ctx.stage = _BEFORE_TRAINING
                 bus.before_training(ctx)
                 self._follow_scheduler(scheduler)
+                if scheduler.validation_owed:
+                    self._validate_owed(scheduler)
                 for epoch in scheduler.epochs:
                     self._run_epoch(scheduler, epoch)
                 ctx.preempted = scheduler.sigterm_received
@@ -337,11 +339,16 @@ class TrainingStrategy:
                     scheduler.poll_preemption()
                     ctx.preempted = scheduler.sigterm_received
         # The epoch's end validates; so does a run's last step inside an epoch (max_steps): the run's
-        # result describes its final weights. Not a stop request's or a preemption's step.
+        # result describes its final weights. Not a stop request's step inside an epoch. A preemption at
+        # a completed epoch's end saves first (the grace period is for saving) and owes the validation to
+        # the resumed run; at the run's last step there is nothing to resume, so it validates now.
         epoch_completed = scheduler.epoch > epoch
         stopped_early = scheduler.stop_reason is not None and not epoch_completed
-        if not scheduler.sigterm_received and not stopped_early and validated_at != ctx.step_count:
-            self._maybe_validate_on_epoch()
+        if not stopped_early and validated_at != ctx.step_count and self._epoch_validates():
+            if not scheduler.sigterm_received or scheduler.is_last_step:
+                self._validate_in_run()
+            elif epoch_completed:
+                scheduler.validation_owed = True
         if epoch_completed:
             self._step_schedules("epoch")
         ctx.stage = _AFTER_EPOCH
@@ -659,16 +666,17 @@ class TrainingStrategy:
         return self.validation is not None and self.validation.data is not None
 
     def _validation_follows(self, scheduler: StepScheduler) -> bool:
-        """Whether ``run()`` validates right after the step just closed (the same test ``_run_epoch`` makes)."""
+        """Whether ``run()`` validates right after the step just closed (the decisions ``_run_epoch`` makes)."""
         config = self.validation
-        if config is None or config.data is None or scheduler.sigterm_received:
+        if config is None or config.data is None:
             return False
-        if scheduler.is_val_step:
+        if scheduler.is_val_step:  # a step cadence: also on a preempted step
             return True
-        interval = config.epoch_interval
+        if scheduler.sigterm_received and not scheduler.is_last_step:
+            return False  # a preemption saves first; an epoch-end validation is owed to the resumed run
         # the epoch's end, or the run's inside it at max_steps (a stop request's step does not validate)
         ends_epoch = scheduler.is_last_batch or (scheduler.is_last_step and scheduler.stop_reason is None)
-        return bool(ends_epoch and interval and (self.ctx.epoch + 1) % interval == 0)
+        return bool(ends_epoch and self._epoch_validates())
 
     def _per_step_schedulers(self) -> dict[str, list[Any]]:
         """The schedulers the orchestrator steps after each real optimizer step, by optimizer."""
@@ -709,13 +717,29 @@ class TrainingStrategy:
         self._after_validation()
         self.ctx.validation_follows = False
 
-    def _maybe_validate_on_epoch(self) -> None:
+    def _epoch_validates(self) -> bool:
+        """Whether the epoch cadence validates at the end of ``ctx.epoch`` (given validation data)."""
         config = self.validation
         if config is None or config.data is None:
-            return
+            return False
         interval = config.epoch_interval
-        if interval and (self.ctx.epoch + 1) % interval == 0:
+        return bool(interval and (self.ctx.epoch + 1) % interval == 0)
+
+    def _validate_owed(self, scheduler: StepScheduler) -> None:
+        """The end-of-epoch validation a preemption left to this (resumed) run, before anything trains: it
+        validates the weights the epoch ended with, so early stopping and a plateau scheduler decide as
+        in the run that never stopped (a stop it requests ends this run before its first step)."""
+        scheduler.validation_owed = False
+        if not self._has_validation_data():
+            return
+        ctx = self.ctx
+        epoch, ctx.epoch = ctx.epoch, scheduler.epoch - 1  # it belongs to the epoch that ended
+        try:
             self._validate_in_run()
+        finally:
+            ctx.epoch = epoch
+        scheduler.poll_preemption()
+        ctx.preempted = scheduler.sigterm_received
 
     # -- state and resume (nvtrain/state.py does the work) -----------------------------------------
 

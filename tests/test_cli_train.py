@@ -335,3 +335,18 @@ def test_torchrun_two_processes_train_the_builtin_job_with_ddp(tmp_path: Path) -
     assert len(steps) == len(set(steps))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_12"
     assert (run / "curves.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_the_summary_says_when_its_validation_is_older_than_the_last_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    common = ["--set", "device=cpu", "--set", "logging.progress_bar=false", "--set", "logging.tensorboard=false"]
+    steps = ["--set", "validation.every_n_epochs=null", "--set", "validation.every_n_steps=4"]
+    assert main(["train", *common, *steps, "--set", "trainer.max_steps=6", "--set", "name=older"]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert " | step 6 | " in summary and summary.endswith(" | (validated at step 4)")
+    assert "val_ema_accuracy" in summary
+    assert main(["train", *common, *steps, "--set", "trainer.max_steps=8", "--set", "name=fresh"]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert " | step 8 | " in summary and "validated at" not in summary

@@ -32,6 +32,8 @@ class RunWatch:
         self.rank = rank
         self.every = plan.config.logging.log_every_n_steps
         self.start_step: int | None = None
+        #: The step of the latest validation (the summary's values; None: none this run).
+        self.validated_at: int | None = None
         #: 0-based epoch of the latest optimizer step (the summary shows it 1-based).
         self.last_step_epoch: int | None = None
         self.effective_config: dict[str, Any] = {}
@@ -65,6 +67,7 @@ class RunWatch:
 
     @hookimpl
     def after_validation(self, ctx: Any) -> None:
+        self.validated_at = ctx.step_count
         if self.rank != 0:
             return
         loss = (ctx.validation or {}).get("loss")

@@ -174,9 +174,14 @@ def _finish(
     if watch.start_step:  # from a checkpoint, or from trainer.start_step alone
         summary.insert(2, f"{'resumed' if resumed else 'started'} at step {watch.start_step}")
     prefix = "val_ema_" if plan.use_ema else "val_"
-    for key, value in (result.validation or {}).items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            summary.append(f"{prefix}{key} {value.item():.4f}")
+    values = [
+        f"{prefix}{key} {value.item():.4f}"
+        for key, value in (result.validation or {}).items()
+        if isinstance(value, torch.Tensor) and value.numel() == 1
+    ]
+    if values and watch.validated_at is not None and watch.validated_at != result.step_count:
+        values.append(f"(validated at step {watch.validated_at})")  # not the final weights': say whose
+    summary += values
     if result.preempted:
         if saved is not None:
             summary.append(

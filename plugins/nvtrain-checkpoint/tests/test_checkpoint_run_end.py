@@ -5,7 +5,10 @@ best value, a ReduceLROnPlateau's), as an epoch-end checkpoint does."""
 from __future__ import annotations
 
 import functools
+import os
+import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,3 +54,135 @@ def test_the_last_checkpoint_of_a_run_ending_inside_an_epoch_holds_its_final_val
     assert state["hooks"]["early_stopping"]["best"] == stopping.state_dict()["best"] is not None
     assert state["lr_schedulers"]["main"]["best"] == plateau.best != float("inf")
     assert state["lr_schedulers"]["main"]["last_epoch"] == plateau.last_epoch
+
+
+# -- a preemption at an epoch's end ------------------------------------------------------------------
+
+
+class PreemptDuring:
+    """Sends SIGUSR1 (the runs' preemption signal) while step ``step`` trains: its boundary agrees it."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.sent = step, False
+
+    @nvtrain.hookimpl
+    def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.step_count == self.step - 1 and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+class Validated:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    @nvtrain.hookimpl
+    def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
+        self.steps.append(ctx.step_count)
+
+
+def train_digits(
+    directory: Path,
+    *extra: object,
+    resume: str = "never",
+    patience: int = 0,
+    on_checkpoint: bool = False,
+    every_n_steps: int | None = None,
+) -> tuple[Any, ...]:
+    """3 epochs of 10 steps, validating every epoch; early stopping and a plateau scheduler act on validations
+    (the validation loss rises: with patience 0 the run stops at the 2nd epoch's end, and the LR halves)."""
+    train, val = loaders()
+    stopping = EarlyStoppingHook(monitor="loss", mode="min", patience=patience)
+    validated = Validated()
+    torch.manual_seed(0)
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(4, 1),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=torch.nn.functional.mse_loss,
+        lr_schedulers=nvtrain.LRSchedule(
+            functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, patience=0, factor=0.5), monitor="loss"
+        ),
+        validation=nvtrain.ValidationConfig(
+            data=val, every_n_epochs=None if every_n_steps else 1, every_n_steps=every_n_steps
+        ),
+        hooks=[stopping, validated, CheckpointHook(directory, resume=resume), *extra],
+        device="cpu",
+        step_scheduler=nvtrain.StepSchedulerConfig(
+            ckpt_every_steps=None, preemption_signal="SIGUSR1", validate_on_checkpoint=on_checkpoint
+        ),
+        num_epochs=3,
+    )
+    with strategy:
+        result = strategy.run(train)
+    return strategy, result, stopping, validated
+
+
+def weights(strategy: nvtrain.TrainingStrategy) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in strategy.ctx.models["main"].parameters()]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
+@pytest.mark.parametrize("preempted_at", [10, 20], ids=["epoch-1-end", "epoch-2-end"])
+def test_a_preemption_at_an_epochs_end_owes_its_validation_to_the_resumed_run(
+    tmp_path: Path, preempted_at: int
+) -> None:
+    """The preempted run saves without the epoch's validation (the grace period is for saving); the resumed run
+    validates first, so early stopping and the plateau scheduler decide as in the run that never stopped."""
+    straight, straight_result, straight_stopping, straight_validated = train_digits(tmp_path / "straight")
+    assert straight_result.step_count == 20 and straight_result.stop_reason is not None  # early stopping
+    assert straight_validated.steps == [10, 20]
+
+    _, first, _, first_validated = train_digits(tmp_path / "resumed", PreemptDuring(preempted_at))
+    assert first.preempted and first.step_count == preempted_at
+    assert first_validated.steps == [10, 20][: preempted_at // 10 - 1]  # the preempted epoch's end: not yet
+    state = CheckpointHook(tmp_path / "resumed").read_checkpoint(tmp_path / "resumed" / f"step_{preempted_at}")
+    assert state["scheduler"]["validation_owed"] is True
+
+    resumed, result, stopping, validated = train_digits(tmp_path / "resumed", resume="auto")
+    assert validated.steps[0] == preempted_at  # the owed validation, before any step
+    assert first_validated.steps + validated.steps == straight_validated.steps
+    assert result.step_count == straight_result.step_count and result.stop_reason == straight_result.stop_reason
+    assert stopping.state_dict() == straight_stopping.state_dict()
+    assert resumed.ctx.lr_schedulers["main"].state_dict() == straight.ctx.lr_schedulers["main"].state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(weights(resumed), weights(straight), strict=True))
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
+def test_a_preempted_epoch_end_that_validates_as_a_checkpoint_step_is_saved_after_it(tmp_path: Path) -> None:
+    """With ``validate_on_checkpoint`` the epoch's end validates as a checkpoint step, preempted or not: its
+    checkpoint waits for that validation and owes nothing."""
+    straight, straight_result, _, straight_validated = train_digits(tmp_path / "straight", on_checkpoint=True)
+    _, first, _, first_validated = train_digits(tmp_path / "resumed", PreemptDuring(10), on_checkpoint=True)
+    assert first.preempted and first_validated.steps == [10]
+    state = CheckpointHook(tmp_path / "resumed").read_checkpoint(tmp_path / "resumed" / "step_10")
+    assert state["scheduler"]["validation_owed"] is False
+    assert state["lr_schedulers"]["main"]["best"] != float("inf")  # the plateau scheduler saw that validation
+    resumed, result, _, validated = train_digits(tmp_path / "resumed", resume="auto", on_checkpoint=True)
+    assert first_validated.steps + validated.steps == straight_validated.steps
+    assert result.step_count == straight_result.step_count
+    assert all(torch.equal(a, b) for a, b in zip(weights(resumed), weights(straight), strict=True))
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
+def test_a_preemption_at_the_runs_last_step_still_validates_it(tmp_path: Path) -> None:
+    """Nothing is left to resume: the last step's validation runs, and its checkpoint holds what it changed."""
+    _, result, stopping, validated = train_digits(tmp_path, PreemptDuring(30), patience=5)
+    assert result.preempted and result.step_count == 30 and validated.steps == [10, 20, 30]
+    state = CheckpointHook(tmp_path).read_checkpoint(tmp_path / "step_30")
+    assert state["scheduler"]["validation_owed"] is False
+    assert state["hooks"]["early_stopping"] == stopping.state_dict()  # written after that validation
+    assert stopping.state_dict()["wait"] == 2
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
+def test_a_preempted_step_on_the_validation_cadence_is_saved_after_its_validation(tmp_path: Path) -> None:
+    """A step cadence validates a preempted step too; its checkpoint must hold what that validation changed."""
+    straight, straight_result, straight_stopping, _ = train_digits(tmp_path / "straight", every_n_steps=5)
+    _, first, stopping, first_validated = train_digits(tmp_path / "resumed", PreemptDuring(5), every_n_steps=5)
+    assert first.preempted and first_validated.steps == [5]
+    state = CheckpointHook(tmp_path / "resumed").read_checkpoint(tmp_path / "resumed" / "step_5")
+    assert state["hooks"]["early_stopping"] == stopping.state_dict() and stopping.state_dict()["best"] is not None
+    resumed, result, resumed_stopping, _ = train_digits(tmp_path / "resumed", resume="auto", every_n_steps=5)
+    assert result.step_count == straight_result.step_count
+    assert resumed_stopping.state_dict() == straight_stopping.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(weights(resumed), weights(straight), strict=True))
