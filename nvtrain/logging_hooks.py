@@ -357,12 +357,17 @@ class ProgressBarHook:
     def before_epoch(self, ctx: TrainingContext) -> None:
         if not self._active:
             return
-        if not self._started:  # the first epoch of the run: a resume has been applied by now
+        self._begin(ctx)
+        if self._bar is not None:
+            self._bar.set_description(_epoch_label(ctx), refresh=False)
+
+    def _begin(self, ctx: TrainingContext) -> None:
+        """At the run's first epoch, or a validation before it (one a preemption left owed): a resume has
+        been applied by then."""
+        if not self._started:
             self._started = True
             self._reader.begin(ctx)
             self._open_bar(ctx)
-        if self._bar is not None:
-            self._bar.set_description(_epoch_label(ctx), refresh=False)
 
     def _open_bar(self, ctx: TrainingContext) -> None:
         self._out = self.stream if self.stream is not None else sys.stderr
@@ -417,6 +422,7 @@ class ProgressBarHook:
     def after_validation(self, ctx: TrainingContext) -> None:
         if not self._active:
             return
+        self._begin(ctx)
         record = self._reader.read_validation(ctx)
         if self._out is None:
             return
@@ -570,7 +576,12 @@ class _StepRecordLogger:
 
     @hookimpl
     def before_epoch(self, ctx: TrainingContext) -> None:
-        if self._active and self._start_step is None:  # a resume has been applied by now
+        self._begin(ctx)
+
+    def _begin(self, ctx: TrainingContext) -> None:
+        """At the run's first epoch, or a validation before it (one a preemption left owed): a resume has
+        been applied by then, so the start step is known."""
+        if self._active and self._start_step is None:
             self._start_step = ctx.step_count
             self._reader.begin(ctx)
 
@@ -584,6 +595,7 @@ class _StepRecordLogger:
     @hookimpl
     def after_validation(self, ctx: TrainingContext) -> None:
         if self._active:
+            self._begin(ctx)
             self._write(self._reader.read_validation(ctx))
 
     @hookimpl

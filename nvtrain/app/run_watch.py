@@ -41,8 +41,13 @@ class RunWatch:
 
     @hookimpl
     def before_epoch(self, ctx: Any) -> None:
+        self._begin(ctx)
+
+    def _begin(self, ctx: Any) -> None:
+        """At the run's first epoch, or a validation before it (one a preemption left owed): a resume has
+        been applied by then."""
         if self.start_step is None:
-            self.start_step = ctx.step_count  # a resume has been applied by now
+            self.start_step = ctx.step_count
             if self.rank == 0:
                 self.plan.run_dir.mkdir(parents=True, exist_ok=True)
                 _write_atomically(self.plan.run_dir / "config.yaml", _dump(self.effective_config))
@@ -67,6 +72,7 @@ class RunWatch:
 
     @hookimpl
     def after_validation(self, ctx: Any) -> None:
+        self._begin(ctx)
         self.validated_at = ctx.step_count
         if self.rank != 0:
             return

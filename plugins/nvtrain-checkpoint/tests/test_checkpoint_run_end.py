@@ -4,6 +4,7 @@ best value, a ReduceLROnPlateau's), as an epoch-end checkpoint does."""
 
 from __future__ import annotations
 
+import csv
 import functools
 import os
 import signal
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nvtrain
 from nvtrain.hooks import EarlyStoppingHook
+from nvtrain.logging_hooks import CSVLoggerHook
 
 
 def loaders() -> tuple[DataLoader[tuple[torch.Tensor, ...]], DataLoader[tuple[torch.Tensor, ...]]]:
@@ -105,7 +107,13 @@ def train_digits(
         validation=nvtrain.ValidationConfig(
             data=val, every_n_epochs=None if every_n_steps else 1, every_n_steps=every_n_steps
         ),
-        hooks=[stopping, validated, CheckpointHook(directory, resume=resume), *extra],
+        hooks=[
+            stopping,
+            validated,
+            CheckpointHook(directory, resume=resume),
+            CSVLoggerHook(directory / "metrics.csv", log_every_n_steps=4),
+            *extra,
+        ],
         device="cpu",
         step_scheduler=nvtrain.StepSchedulerConfig(
             ckpt_every_steps=None, preemption_signal="SIGUSR1", validate_on_checkpoint=on_checkpoint
@@ -145,6 +153,19 @@ def test_a_preemption_at_an_epochs_end_owes_its_validation_to_the_resumed_run(
     assert stopping.state_dict() == straight_stopping.state_dict()
     assert resumed.ctx.lr_schedulers["main"].state_dict() == straight.ctx.lr_schedulers["main"].state_dict()
     assert all(torch.equal(a, b) for a, b in zip(weights(resumed), weights(straight), strict=True))
+    # metrics.csv: the straight run's rows, the owed validation's in its place, plus the preempted run's
+    # documented row of its last step when that is off the logging cadence (every 4 steps)
+    logged, straight_logged = csv_rows(tmp_path / "resumed"), csv_rows(tmp_path / "straight")
+    end_row = [r for r in logged if r["step"] == str(preempted_at) and r["train_loss"]]
+    if preempted_at % 4:
+        assert len(end_row) == 1
+        logged.remove(end_row[0])
+    assert logged == straight_logged
+
+
+def csv_rows(directory: Path) -> list[dict[str, str]]:
+    with open(directory / "metrics.csv", encoding="utf-8") as file:
+        return [{k: v for k, v in r.items() if k not in ("step_time", "samples_per_s")} for r in csv.DictReader(file)]
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
