@@ -79,13 +79,14 @@ def read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
 
 @pytest.fixture
 def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Names of tensor-to-host reads (tolist/item/float/bool) made from nvtrain.logging_hooks."""
+    """Names of tensor-to-host reads (tolist/item/float/bool) made from the loggers (nvtrain.logging_hooks and the
+    reader they share, nvtrain.step_log)."""
     calls: list[str] = []
     for name in ("tolist", "item", "__float__", "__bool__", "cpu"):
         original = getattr(torch.Tensor, name)
 
         def wrapper(self: torch.Tensor, *args: Any, _original: Any = original, _name: str = name) -> Any:
-            if sys._getframe(1).f_globals.get("__name__") == "nvtrain.logging_hooks":
+            if sys._getframe(1).f_globals.get("__name__") in ("nvtrain.logging_hooks", "nvtrain.step_log"):
                 calls.append(_name)
             return _original(self, *args)
 
