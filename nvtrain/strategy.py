@@ -288,7 +288,7 @@ class TrainingStrategy:
                     self._validate_owed(scheduler)
                 for epoch in scheduler.epochs:
                     self._run_epoch(scheduler, epoch)
-                ctx.preempted = scheduler.sigterm_received
+                ctx.preempted = _cut_by_preemption(scheduler)
                 ctx.stop_reason = _stop_reason(scheduler)
                 ctx.stage = _AFTER_TRAINING
                 bus.after_training(ctx)
@@ -852,11 +852,17 @@ class TrainingStrategy:
 # -- helpers ------------------------------------------------------------------------------------
 
 
+def _cut_by_preemption(scheduler: StepScheduler) -> bool:
+    """The run ended because of a preemption signal and a resume would go on. Not when a stop request was
+    agreed as well (the run is complete: a requeue would train past the stop) nor at the run's last step."""
+    return scheduler.sigterm_received and scheduler.stop_reason is None and not scheduler.is_last_step
+
+
 def _stop_reason(scheduler: StepScheduler) -> str | None:
     """Why the run stopped early: a stop request, else the preemption signal; None when it ran out."""
     if scheduler.stop_reason is not None:
         return scheduler.stop_reason
-    if scheduler.sigterm_received:
+    if _cut_by_preemption(scheduler):
         signum = scheduler.received_signal
         return f"preempted by {signal.Signals(signum).name}" if signum is not None else "preempted (another rank)"
     return None

@@ -350,3 +350,38 @@ def test_the_summary_says_when_its_validation_is_older_than_the_last_step(
     assert main(["train", *common, *steps, "--set", "trainer.max_steps=8", "--set", "name=fresh"]) == 0
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert " | step 8 | " in summary and "validated at" not in summary
+
+
+def test_a_run_that_only_makes_the_owed_validation_reports_its_epoch(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    fallback_handlers: list[int],
+) -> None:
+    """Preempted at epoch 2's last step (46), the rerun makes epoch 2's validation first; early stopping ends
+    it there, before any step: the summary names epoch 2, where step 46 is, not the next one."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "preempt.py").write_text(
+        "import os, signal, nvtrain\n"
+        "class AtStep46:\n"
+        "    @nvtrain.hookimpl\n"
+        "    def before_batch(self, ctx):\n"
+        "        if ctx.step_count == 45 and not os.path.exists('sent'):\n"
+        "            open('sent', 'w').close()\n"
+        "            os.kill(os.getpid(), signal.SIGUSR1)\n",
+        encoding="utf-8",
+    )
+    args = [
+        "train",
+        *("--set", "device=cpu", "--set", "trainer.num_epochs=4", "--set", "trainer.preemption_signal=SIGUSR1"),
+        *("--set", "logging.progress_bar=false", "--set", "logging.tensorboard=false", "--set", "logging.plot=false"),
+        "--set",
+        "hooks=[ema, {name: early_stopping, monitor: accuracy, mode: min, patience: 0}, {name: checkpoint, resume: auto}, "
+        "preempt:AtStep46]",
+    ]
+    assert main(args) == EXIT_PREEMPTED
+    capsys.readouterr()
+    assert main(args) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert " | step 46 | resumed at step 46 | epoch 2/4 | " in summary and "stopped early" in summary
+    assert fallback_handlers == []

@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,38 @@ def test_a_hook_stops_the_run_at_the_next_step_boundary() -> None:
     assert result.stop_reason is not None and "enough" in result.stop_reason
     assert stages.last_steps == [5]  # is_last_step is true for the stopping step, and only for it
     assert stages.seen == [("after_epoch", 4), ("after_epoch", 5), ("after_training", 5)]
+
+
+class SignalDuring:
+    """Sends SIGUSR1 (the run's preemption signal) while step ``step`` trains: its boundary agrees it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @nvtrain.hookimpl
+    def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.step_count == self.step - 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
+@pytest.mark.parametrize(
+    ("hooks", "max_steps", "preempted", "reason"),
+    [
+        ((SignalDuring(5),), None, True, "preempted by SIGUSR1"),  # cut short: a resume goes on
+        ((SignalDuring(5), StopAt(5)), None, False, "enough"),  # the stop wins: the run is complete
+        ((SignalDuring(5),), 5, False, None),  # the run's last step: nothing left to resume
+    ],
+    ids=["preempted", "stop-at-the-same-step", "at-the-last-step"],
+)
+def test_a_run_is_preempted_only_when_a_resume_would_go_on(
+    hooks: tuple[object, ...], max_steps: int | None, preempted: bool, reason: str | None, fallback_handlers: list[int]
+) -> None:
+    config = nvtrain.StepSchedulerConfig(ckpt_every_steps=None, preemption_signal="SIGUSR1", max_steps=max_steps)
+    with make_strategy([*hooks], num_epochs=3, step_scheduler=config) as strategy:
+        result = strategy.run(data(4))
+    assert (result.step_count, result.preempted, result.stop_reason) == (5, preempted, reason)
+    assert fallback_handlers == []  # the run's own handler took the signal
 
 
 def test_a_run_to_its_end_has_no_stop_reason() -> None:

@@ -32,8 +32,9 @@ class RunWatch:
         self.rank = rank
         self.every = plan.config.logging.log_every_n_steps
         self.start_step: int | None = None
-        #: The step of the latest validation (the summary's values; None: none this run).
+        #: The step of the latest validation (the summary's values; None: none this run), and its 0-based epoch.
         self.validated_at: int | None = None
+        self.validated_epoch: int | None = None
         #: 0-based epoch of the latest optimizer step (the summary shows it 1-based).
         self.last_step_epoch: int | None = None
         self.effective_config: dict[str, Any] = {}
@@ -73,7 +74,7 @@ class RunWatch:
     @hookimpl
     def after_validation(self, ctx: Any) -> None:
         self._begin(ctx)
-        self.validated_at = ctx.step_count
+        self.validated_at, self.validated_epoch = ctx.step_count, ctx.epoch
         if self.rank != 0:
             return
         loss = (ctx.validation or {}).get("loss")

@@ -163,7 +163,9 @@ def _finish(
 ) -> None:
     config = plan.config
     _plot(plan)
-    epoch = watch.last_step_epoch if watch.last_step_epoch is not None else result.epoch
+    # the epoch of the run's last step; a run that took none (it only made a validation a preemption had left
+    # owed) reports that validation's epoch, not the next one it would have started
+    epoch = next((e for e in (watch.last_step_epoch, watch.validated_epoch) if e is not None), result.epoch)
     total = config.trainer.num_epochs
     summary = [
         f"run {plan.run_dir}",

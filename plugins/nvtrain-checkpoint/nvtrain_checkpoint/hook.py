@@ -264,10 +264,17 @@ class CheckpointHook:
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST)
     def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
-        """Save a step whose validation followed its boundary, once every AFTER_VALIDATION hook has run."""
+        """Save a step whose validation followed its boundary, once every AFTER_VALIDATION hook has run.
+
+        A validation at the step this run resumed from (the epoch-end validation a preemption left owed)
+        changes what that step's checkpoint holds: it is written again, so a run that ends right there
+        (early stopping, another preemption) or crashes before its next save resumes past it.
+        """
         if self._after_validation_save:
             self._after_validation_save = False
             self._save(ctx)
+        elif ctx.windowed and ctx.step_count == self._saved_step:
+            self._save(ctx, again=True)
 
     @nvtrain.hookimpl(wrapper=True, priority=nvtrain.PRIORITY_LAST)  # the innermost wrapper: right after the rest
     def after_epoch(self, ctx: nvtrain.TrainingContext) -> Iterator[None]:
@@ -366,9 +373,9 @@ class CheckpointHook:
     def _writes(self, ctx: nvtrain.TrainingContext) -> bool:
         return not self.rank_zero_only or ctx.rank == 0
 
-    def _save(self, ctx: nvtrain.TrainingContext) -> None:
+    def _save(self, ctx: nvtrain.TrainingContext, *, again: bool = False) -> None:
         step = ctx.step_count
-        if step == self._saved_step:
+        if step == self._saved_step and not again:
             return
         self._saved_step = step
         if sharded.models_are_sharded(ctx):

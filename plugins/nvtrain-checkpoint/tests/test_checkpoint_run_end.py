@@ -155,6 +155,14 @@ def test_a_preemption_at_an_epochs_end_owes_its_validation_to_the_resumed_run(
     assert all(torch.equal(a, b) for a, b in zip(weights(resumed), weights(straight), strict=True))
     # metrics.csv: the straight run's rows, the owed validation's in its place, plus the preempted run's
     # documented row of its last step when that is off the logging cadence (every 4 steps)
+    # the owed validation's checkpoint of that step was written again, as the straight run wrote it
+    checkpoint = CheckpointHook(tmp_path)
+    final, expected = (
+        checkpoint.read_checkpoint(tmp_path / run / f"step_{preempted_at}") for run in ("resumed", "straight")
+    )
+    assert final["scheduler"]["validation_owed"] is False
+    assert final["hooks"]["early_stopping"] == expected["hooks"]["early_stopping"]
+    assert final["lr_schedulers"] == expected["lr_schedulers"]
     logged, straight_logged = csv_rows(tmp_path / "resumed"), csv_rows(tmp_path / "straight")
     end_row = [r for r in logged if r["step"] == str(preempted_at) and r["train_loss"]]
     if preempted_at % 4:
@@ -188,7 +196,9 @@ def test_a_preempted_epoch_end_that_validates_as_a_checkpoint_step_is_saved_afte
 def test_a_preemption_at_the_runs_last_step_still_validates_it(tmp_path: Path) -> None:
     """Nothing is left to resume: the last step's validation runs, and its checkpoint holds what it changed."""
     _, result, stopping, validated = train_digits(tmp_path, PreemptDuring(30), patience=5)
-    assert result.preempted and result.step_count == 30 and validated.steps == [10, 20, 30]
+    # the run is complete: not "preempted" (a requeue would find nothing to train)
+    assert not result.preempted and result.stop_reason is None
+    assert result.step_count == 30 and validated.steps == [10, 20, 30]
     state = CheckpointHook(tmp_path).read_checkpoint(tmp_path / "step_30")
     assert state["scheduler"]["validation_owed"] is False
     assert state["hooks"]["early_stopping"] == stopping.state_dict()  # written after that validation
@@ -207,3 +217,34 @@ def test_a_preempted_step_on_the_validation_cadence_is_saved_after_its_validatio
     assert result.step_count == straight_result.step_count
     assert resumed_stopping.state_dict() == straight_stopping.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(weights(resumed), weights(straight), strict=True))
+
+
+class PreemptAtValidation:
+    """Sends SIGUSR1 at the first AFTER_VALIDATION: a second preemption, during the owed validation."""
+
+    def __init__(self) -> None:
+        self.sent = False
+
+    @nvtrain.hookimpl
+    def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
+def test_a_second_preemption_during_the_owed_validation_does_not_owe_it_again(tmp_path: Path) -> None:
+    straight, straight_result, _, _ = train_digits(tmp_path / "straight", patience=5)
+    train_digits(tmp_path / "resumed", PreemptDuring(10), patience=5)  # owes epoch 1's validation
+    _, second, _, second_validated = train_digits(
+        tmp_path / "resumed", PreemptAtValidation(), resume="auto", patience=5
+    )
+    assert second.preempted and second.step_count == 10 and second_validated.steps == [10]
+    state = CheckpointHook(tmp_path).read_checkpoint(tmp_path / "resumed" / "step_10")
+    assert state["scheduler"]["validation_owed"] is False  # written again after the validation
+    resumed, result, _, validated = train_digits(tmp_path / "resumed", resume="auto", patience=5)
+    assert validated.steps == [20, 30]  # epoch 1's validation is not made twice
+    assert result.step_count == straight_result.step_count == 30
+    assert all(torch.equal(a, b) for a, b in zip(weights(resumed), weights(straight), strict=True))
+    logged = [r for r in csv_rows(tmp_path / "resumed") if not (r["step"] == "10" and r["train_loss"])]
+    assert logged == csv_rows(tmp_path / "straight")  # one validation row at step 10, not two
