@@ -14,6 +14,9 @@ import torch
 
 __all__ = ["batch_size", "device_mover"]
 
+#: Values a batch may carry that never hold a tensor.
+_PLAIN = (str, bytes, int, float, complex, type(None))
+
 
 def batch_size(batch: Any) -> int:
     """Samples in a micro-batch: the first dimension of its first tensor.
@@ -56,6 +59,8 @@ def device_mover(device: torch.device) -> Callable[[Any], Any]:
             return type(batch)(*(move(value) for value in batch))
         if isinstance(batch, (tuple, list)):
             return type(batch)(move(value) for value in batch)
+        if isinstance(batch, _PLAIN):  # labels, ids, flags: nothing to move, nothing to inspect
+            return batch
         fields = _record_fields(batch)
         if fields:
             copied = copy.copy(batch)

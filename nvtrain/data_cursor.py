@@ -129,7 +129,7 @@ class DataCursor:
         source = loader.generator
         seed_generator = torch.Generator()
         seed_generator.set_state(source.get_state() if source is not None else torch.get_rng_state())
-        torch.empty((), dtype=torch.int64).random_(generator=source)
+        draw_base_seed(loader)
         index_sampler, replica, real = _shadow_index_sampler(loader)
         iterator = iter(index_sampler)
         for skipped in range(position):  # indices only: no dataset access
@@ -227,6 +227,12 @@ def restore_rng(state: Mapping[str, Any], generators: Sequence[torch.Generator])
         generator.set_state(generator_state)
 
 
+def draw_base_seed(loader: DataLoader[Any]) -> None:
+    """The draw a new DataLoader iterator makes first: its workers' base seed, from ``loader.generator``
+    (else the global generator), before the sampler draws the epoch's order."""
+    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+
+
 def is_one_shot(loader: Any) -> bool:
     """Whether ``loader`` is an iterator (a generator, say): ``iter()`` gives itself, read once, never again."""
     return isinstance(loader, Iterator)
@@ -253,7 +259,7 @@ def epoch_iterator(loader: Any, epoch: int) -> Iterator[Any]:
         iter(loader)  # starts the workers; the draws it makes are undone
         restore_rng(before, generators)
     elif epoch == 0 and live:
-        torch.empty((), dtype=torch.int64).random_(generator=loader.generator)  # the first iter()'s base seed
+        draw_base_seed(loader)  # as the first iter() did
     return iter(loader)
 
 
