@@ -37,6 +37,7 @@ THREAD = "thread"
 
 def _as_dir(value: Any) -> Path:
     if isinstance(value, (str, os.PathLike)) and str(value):
+        _require_directory(Path(value))
         return Path(value)
     raise refused("CheckpointHook", "checkpoint_dir", value, "a non-empty path", error=FieldTypeError)
 
@@ -115,7 +116,9 @@ class CheckpointHook:
     _root: Path | None = attrs.field(init=False, default=None, repr=False)
     #: The resume decision for the run about to start (``resume_checkpoint``), so its warnings print once;
     #: that run's BEFORE_TRAINING consumes it.
-    _resume_choice: tuple[Any, Path | None] | None = attrs.field(init=False, default=None, repr=False)
+    _resume_choice: tuple[Any, Path | None, frozenset[str]] | None = attrs.field(init=False, default=None, repr=False)
+    #: Checkpoints the run's resume found corrupt and passed over: retention does not count them.
+    _passed_over: frozenset[str] = attrs.field(init=False, default=frozenset(), repr=False)
     #: Saves of models sharded with FSDP (DTensor parameters): one DCP checkpoint written by every rank.
     _sharded: sharded.ShardedSaver = attrs.field(init=False, factory=sharded.ShardedSaver, repr=False)
 
@@ -208,9 +211,11 @@ class CheckpointHook:
         try:
             self._start_run(ctx)
         finally:
+            self._passed_over = self._resume_choice[2] if self._resume_choice is not None else frozenset()
             self._resume_choice = None
 
     def _start_run(self, ctx: nvtrain.TrainingContext) -> None:
+        _require_directory(self.checkpoint_dir)
         self._plugins = _active_plugins(strategy_hooks(ctx.strategy))  # type: ignore[arg-type]
         self._root = self.checkpoint_root(ctx)
         self._saved_step = ctx.step_count if ctx.step_count else None
@@ -386,6 +391,7 @@ class CheckpointHook:
                 step,
                 self._metadata(ctx),
                 keep_last_n=self.keep_last_n,
+                passed_over=self._passed_over,
                 async_save=self.async_save,
                 rank_zero_only=self.rank_zero_only,
                 submit=self._writer.submit,
@@ -412,7 +418,9 @@ class CheckpointHook:
             job: Callable[[], Path]
             if self.async_save and self._in_process_writer():
                 staged = self._stager.stage(state)  # into shared memory, for the writer process
-                job = functools.partial(self._writer_process().save, staged, root, step, metadata, self.keep_last_n)
+                job = functools.partial(
+                    self._writer_process().save, staged, root, step, metadata, self.keep_last_n, self._passed_over
+                )
             else:
                 copied = snapshot(state, reuse=self._reusable, copy_host=self.async_save)
                 self._reusable = copied if self.async_save else None
@@ -420,7 +428,14 @@ class CheckpointHook:
                 # that to the background writer, which is idle then.
                 discard = storage.delete_trash if self.async_save else self._delete_in_background
                 job = functools.partial(
-                    storage.save_checkpoint, root, step, copied, metadata, self.keep_last_n, discard=discard
+                    storage.save_checkpoint,
+                    root,
+                    step,
+                    copied,
+                    metadata,
+                    self.keep_last_n,
+                    discard=discard,
+                    passed_over=self._passed_over,
                 )
             if self.async_save:
                 task = f"writing {storage.checkpoint_name(step)} in the background (async_save=True)"
@@ -486,14 +501,16 @@ class CheckpointHook:
         if self._resume_choice is not None and self._resume_choice[0] == (self.resume, rank, world_size):
             return self._resume_choice[1]
         root = self.checkpoint_dir if self.rank_zero_only or world_size == 1 else self.checkpoint_dir / f"rank_{rank}"
+        _require_directory(self.checkpoint_dir)
+        passed_over: frozenset[str] = frozenset()
         if self.resume == NEVER:
             chosen = None
         elif self.resume != AUTO:
             chosen = storage.resolve_checkpoint(self.resume, rank)
             storage.verify_checkpoint(chosen)
         else:
-            chosen = _newest_intact(root, warn=rank == 0)
-        self._resume_choice = ((self.resume, rank, world_size), chosen)
+            chosen, passed_over = _newest_intact(root, warn=rank == 0)
+        self._resume_choice = ((self.resume, rank, world_size), chosen, passed_over)
         return chosen
 
     def _resume_path(self, ctx: nvtrain.TrainingContext) -> Path | None:
@@ -519,9 +536,10 @@ def _loss_is_finite(ctx: nvtrain.TrainingContext) -> bool | None:
     return bool(torch.isfinite(loss.detach()).all())
 
 
-def _newest_intact(root: Path, *, warn: bool) -> Path | None:
+def _newest_intact(root: Path, *, warn: bool) -> tuple[Path | None, frozenset[str]]:
     """The checkpoint to resume from under ``root``: the one ``latest`` names, else the highest step, that
-    passes verification; warn about newer ones that do not.
+    passes verification, and the names of the complete ones it passed over as corrupt; warn about newer
+    ones that do not pass.
 
     The pointer wins over a higher complete step it does not name (a kill between publishing that
     step and writing ``latest``). ``step_<N>`` directories with none of them intact (corrupt, or
@@ -537,11 +555,13 @@ def _newest_intact(root: Path, *, warn: bool) -> Path | None:
     incomplete = storage.incomplete_checkpoints(root)
     skipped = [_no_manifest(info.path) for info in incomplete if info.step > newest_step]
     chosen = None
+    corrupt = set()
     for path in order:
         try:
             storage.verify_checkpoint(path)
         except storage.CheckpointError as err:
             skipped.append(str(err))
+            corrupt.add(path.name)
             continue
         chosen = path
         break
@@ -553,7 +573,16 @@ def _newest_intact(root: Path, *, warn: bool) -> Path | None:
         )
     if skipped and chosen is not None and warn:
         logger.warning("resume: passing over %s; resuming from %s instead", "; ".join(skipped), chosen)
-    return chosen
+    return chosen, frozenset(corrupt)
+
+
+def _require_directory(path: Path) -> None:
+    """Refuse a ``checkpoint_dir`` that exists but is not a directory (a file of that name): one clear line
+    naming the field, before anything reads or writes under it."""
+    if path.exists() and not path.is_dir():
+        expected = "a directory (or a path where one can be created)"
+        message = f"CheckpointHook.checkpoint_dir must be {expected}; {str(path)!r} is a file"
+        raise refused("CheckpointHook", "checkpoint_dir", str(path), expected, message=message, error=FieldTypeError)
 
 
 def _no_manifest(path: Path) -> str:

@@ -196,6 +196,7 @@ class ShardedSaver:
         metadata: dict[str, Any],
         *,
         keep_last_n: int | None,
+        passed_over: frozenset[str] = frozenset(),
         async_save: bool,
         rank_zero_only: bool,
         submit: Callable[[Callable[[], Path], str, Callable[[Path], None]], None],
@@ -250,7 +251,14 @@ class ShardedSaver:
         writer = dcp.FileSystemWriter(tmp / SHARDED_DIR, sync_files=True)
         manifest = {**metadata, "sharded": {"format": FORMAT, "directory": SHARDED_DIR, "world_size": world_size}}
         finish = functools.partial(
-            _finish, root=root, tmp=tmp, step=step, state=copied, manifest=manifest, keep_last_n=keep_last_n
+            _finish,
+            root=root,
+            tmp=tmp,
+            step=step,
+            state=copied,
+            manifest=manifest,
+            keep_last_n=keep_last_n,
+            passed_over=passed_over,
         )
         if not async_save:
             saved = dcp_save(tmp, functools.partial(dcp.save, parts, storage_writer=writer))
@@ -286,6 +294,7 @@ def _finish(
     state: Any,
     manifest: dict[str, Any],
     keep_last_n: int | None,
+    passed_over: frozenset[str] = frozenset(),
     discard: storage.Discard = storage.delete_trash,
 ) -> Path:
     """After every rank's shards are on disk: digests (each rank hashes a share), then rank 0 publishes."""
@@ -322,7 +331,7 @@ def _finish(
             raise
         storage.publish(tmp, final)
         storage.write_latest(root, final.name)
-        storage.apply_retention(root, keep_last_n, discard=discard)
+        storage.apply_retention(root, keep_last_n, discard=discard, passed_over=passed_over)
     dist.barrier(group=group)  # no rank goes on (or reads the checkpoint) before rank 0 published it
     return final
 

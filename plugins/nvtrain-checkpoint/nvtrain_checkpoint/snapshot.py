@@ -2,7 +2,8 @@
 
 A snapshot is taken on the training thread at the save point, so it holds exactly
 one step's state however long the write takes afterwards. Every tensor is copied
-to host memory (shared tensors stay shared; a synchronous save, which writes before
+to host memory (shared tensors stay shared, also tied weights that ``state_dict()`` hands
+out as distinct tensor objects over one storage; a synchronous save, which writes before
 training goes on, keeps host tensors that are all of their storage as they are);
 containers are copied; anything that ``torch.load(weights_only=True)`` would refuse
 is refused here, at save time, with the path of the offending value.
@@ -48,11 +49,15 @@ def snapshot(state: Any, label: str = "state", reuse: Any = None, *, copy_host: 
 class Copier:
     """One snapshot: the walk over the state with its checks, and its bookkeeping (copies by source tensor,
     so shared tensors stay shared; buffers taken; CUDA devices involved). :meth:`take` decides what stands
-    for each tensor; the staging for the writer process overrides it."""
+    for each tensor and :meth:`alias` what stands for another view of one already taken; the staging for
+    the writer process overrides both."""
 
     def __init__(self, copy_host: bool = True) -> None:
         self.copy_host = copy_host
         self.memo: dict[int, torch.Tensor] = {}
+        #: What was taken for each view (storage, offset, shape, strides, dtype): tied weights reach a
+        #: state as distinct tensor objects (``state_dict()`` detaches each key anew) over one storage.
+        self.views: dict[tuple[Any, ...], Any] = {}
         self.taken: set[int] = set()
         self.devices: set[torch.device] = set()
 
@@ -92,9 +97,21 @@ class Copier:
             raise _refused(tensor, path)
         if tensor.layout != torch.strided:
             raise TypeError(f"checkpoint: {path} is a {tensor.layout} tensor; only dense (strided) tensors are saved")
-        copy = self.take(tensor.detach(), previous)
+        key = _view_key(tensor)
+        taken = self.views.get(key) if key is not None else None
+        if taken is not None:  # another tensor object over the same bytes: shared in the copy as in the source
+            copy = self.alias(taken)
+        else:
+            copy = self.take(tensor.detach(), previous)
+            if key is not None:
+                self.views[key] = copy
         self.memo[id(tensor)] = copy
         return copy
+
+    def alias(self, taken: Any) -> Any:
+        """A distinct tensor over what :meth:`take` gave for the same view: ``torch.save`` writes the bytes
+        once and two tensor records, as it does for the source tensors in a synchronous save."""
+        return taken.view_as(taken)
 
     def take(self, source: torch.Tensor, previous: Any) -> Any:
         """What stands for ``source`` (already checked) in the snapshot: its copy, or itself."""
@@ -126,6 +143,14 @@ class Copier:
             and previous.stride() == source.stride()
             and (on_host or previous.is_pinned())
         )
+
+
+def _view_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """What identifies the bytes ``tensor`` views; None for an empty one (empty storages share address 0)."""
+    if tensor.numel() == 0:
+        return None
+    storage = tensor.untyped_storage()
+    return (tensor.device, storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
 
 
 def _covers_its_storage(tensor: torch.Tensor) -> bool:

@@ -43,9 +43,11 @@ def shared_memory_supported() -> bool:
 
 @attrs.frozen
 class Slot:
-    """Stands in the sent structure for the tensor ``specs[index]`` describes."""
+    """Stands in the sent structure for the tensor ``specs[index]`` describes; an ``alias`` is another
+    tensor object over the same bytes (tied weights), rebuilt as a view of the first."""
 
     index: int
+    alias: bool = False
 
 
 @attrs.frozen
@@ -129,6 +131,9 @@ class _Collector(Copier):
     def take(self, source: torch.Tensor, previous: Any) -> Slot:
         self.sources.append(source)
         return Slot(len(self.sources) - 1)
+
+    def alias(self, taken: Any) -> Slot:
+        return Slot(taken.index, alias=True)
 
 
 @final
@@ -214,7 +219,8 @@ def _over(buffer: Any, spec: TensorSpec) -> torch.Tensor:
 def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
     kind = type(value)
     if kind is Slot:
-        return tensors[value.index]
+        tensor = tensors[value.index]
+        return tensor.view_as(tensor) if value.alias else tensor
     if kind is dict or kind is OrderedDict:
         out = kind()
         for key, item in value.items():

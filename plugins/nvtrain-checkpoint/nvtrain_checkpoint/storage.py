@@ -14,11 +14,15 @@ A save writes everything under a ``.tmp-`` name, flushes and fsyncs each file an
 the directory, publishes it with one ``os.rename`` (then fsyncs the parent), and
 only then replaces ``latest`` (temporary file, ``os.replace``, fsync). A process
 killed at any moment therefore leaves every ``step_*`` directory complete and
-``latest`` naming one of them. Deletion (retention, or replacing a same-numbered
-checkpoint) first renames to ``.trash-`` so no half-deleted checkpoint ever looks
-complete; the renamed tree is then deleted at once, or handed to a ``discard``
-callable (``CheckpointHook`` deletes it on its background writer: freeing a large
-file's pages takes as long as writing a small one).
+``latest`` naming one of them. Deletion (retention) first renames to ``.trash-``
+so no half-deleted checkpoint ever looks complete; the renamed tree is then
+deleted at once, or handed to a ``discard`` callable (``CheckpointHook`` deletes it
+on its background writer: freeing a large file's pages takes as long as writing a
+small one). Replacing a same-numbered checkpoint takes two renames: the old one
+to a ``.replaced-`` name, the new one into place. A process killed between them
+leaves no ``step_<N>``, so until the next save puts the parked one back, the
+readers take ``.replaced-step_<N>-<hex>`` for ``step_<N>``: the old checkpoint
+stays loadable, and ``latest`` still finds it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import shutil
 import uuid
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -71,7 +75,10 @@ STATE_NAME = "state.pt"
 LATEST_NAME = "latest"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+#: A complete checkpoint moved aside while a new one of the same step takes its name (see :func:`publish`).
+REPLACED_PREFIX = ".replaced-"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_REPLACED_DIR = re.compile(r"^\.replaced-(step_\d+)-[0-9a-f]+$")
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -122,12 +129,14 @@ def save_checkpoint(
     keep_last_n: int | None = None,
     *,
     discard: Discard = delete_trash,
+    passed_over: Collection[str] = (),
 ) -> Path:
     """Write ``state`` as ``root/step_<step>`` crash-consistently, point ``latest`` at it, apply retention.
 
     ``state`` must already be a snapshot (host tensors nobody mutates). ``metadata``
     goes into the manifest next to the format version, step and file digests.
-    ``discard`` receives the checkpoints retention retired (see :func:`apply_retention`).
+    ``discard`` receives the checkpoints retention retired, ``passed_over`` names the
+    ones a resume found corrupt (see :func:`apply_retention`).
     Returns the published directory.
     """
     root = Path(root)
@@ -151,7 +160,7 @@ def save_checkpoint(
         raise
     final = publish(tmp, root / name)
     write_latest(root, name)
-    apply_retention(root, keep_last_n, discard=discard)
+    apply_retention(root, keep_last_n, discard=discard, passed_over=passed_over)
     return final
 
 
@@ -190,13 +199,17 @@ def write_manifest(path: Path, manifest: Mapping[str, Any]) -> None:
 
 
 def publish(tmp: Path, final: Path) -> Path:
-    """Rename the finished temporary directory to its final name (replacing a same-named one)."""
+    """Rename the finished temporary directory to its final name (replacing a same-named one).
+
+    A same-named checkpoint is first parked under a ``.replaced-`` name, which the readers
+    take for it while its name is free: a kill between the two renames loses neither.
+    """
     if final.exists():
-        trash = final.parent / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex}"
-        os.rename(final, trash)
+        parked = final.parent / f"{REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex}"
+        os.rename(final, parked)
         os.rename(tmp, final)
         fsync_dir(final.parent)
-        shutil.rmtree(trash)
+        shutil.rmtree(parked)
     else:
         os.rename(tmp, final)
         fsync_dir(final.parent)
@@ -226,9 +239,17 @@ def fsync_dir(path: Path) -> None:
 
 
 def remove_leftovers(root: Path) -> None:
-    """Delete what interrupted saves and deletions left behind (``.tmp-*``, ``.trash-*``)."""
+    """Put back a checkpoint parked by an interrupted replacement whose name is still free; delete what
+    interrupted saves and deletions left behind (``.tmp-*``, ``.trash-*``, parked copies already replaced)."""
+    restored = False
+    for name, parked in _parked_checkpoints(root).items():
+        if not (root / name).exists():
+            os.rename(parked, root / name)
+            restored = True
+    if restored:
+        fsync_dir(root)
     for entry in root.iterdir():
-        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX, REPLACED_PREFIX)):
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:
@@ -245,25 +266,41 @@ def retire(path: Path) -> Path:
     return trash
 
 
-def apply_retention(root: Path, keep_last_n: int | None, *, discard: Discard = delete_trash) -> list[Path]:
+def apply_retention(
+    root: Path, keep_last_n: int | None, *, discard: Discard = delete_trash, passed_over: Collection[str] = ()
+) -> list[Path]:
     """Keep the ``keep_last_n`` complete checkpoints with the highest steps, the one ``latest`` names, and
     the newest healthy one (its step's loss was finite) when none of those is healthy; return the others.
 
-    A run whose loss turned NaN keeps saving unhealthy checkpoints; without the last
-    rule they would rotate the last good one out. The dropped checkpoints are renamed
-    out of sight (one directory fsync for all of them) before ``discard`` gets their
-    new names: deleted now by default, or later by whoever ``discard`` hands them to.
+    A run whose loss turned NaN keeps saving unhealthy checkpoints; without the healthy
+    rule they would rotate the last good one out. ``passed_over`` names checkpoints a
+    resume found corrupt: they do not count among the ``keep_last_n`` (a corrupt one must
+    not rotate an intact one out), and are deleted once older than every kept one. The
+    dropped checkpoints are renamed out of sight (one directory fsync for all of them)
+    before ``discard`` gets their new names: deleted now by default, or later by whoever
+    ``discard`` hands them to.
     """
     if keep_last_n is None:
         return []
-    complete = list_checkpoints(root)
+    found = list_checkpoints(root)
+    corrupt = set(passed_over)
+    complete = [info for info in found if info.path.name not in corrupt]
     pointed = _read_pointer(root)
-    keep = {info.path.name for info in complete[-keep_last_n:]}
-    if not any(is_healthy(info.path) for info in complete[-keep_last_n:]):
+    kept = complete[-keep_last_n:]
+    if not any(is_healthy(info.path) for info in kept):
         healthy = [info for info in complete if is_healthy(info.path)]
         if healthy:
-            keep.add(healthy[-1].path.name)
-    removed = [info.path for info in complete if info.path.name not in keep and info.path.name != pointed]
+            kept = [healthy[-1], *kept]
+    keep = {info.path.name for info in kept}
+    oldest_kept = min((info.step for info in kept), default=-1)
+    removed = [
+        info.path
+        for info in found
+        if info.path.name not in keep
+        and info.path.name != pointed
+        and not (info.path.name in corrupt and info.step > oldest_kept)  # left for inspection, not counted
+        and not info.path.name.startswith(REPLACED_PREFIX)  # an interrupted replacement: the next save puts it back
+    ]
     if removed:
         trash = [retire(path) for path in removed]
         fsync_dir(root)  # the renames are durable before any file of them goes
@@ -294,16 +331,37 @@ def incomplete_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]
 
 
 def _step_directories(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
-    """Every ``step_<N>`` directory under ``root``, by step."""
+    """Every ``step_<N>`` directory under ``root``, by step; a parked ``.replaced-step_<N>-<hex>`` one
+    stands for ``step_<N>`` while that name is free (see :func:`publish`)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
+    found = {}
     for entry in root.iterdir():
         match = _STEP_DIR.match(entry.name)
         if match and entry.is_dir():
-            found.append(CheckpointInfo(entry, int(match.group(1))))
-    return sorted(found, key=lambda info: info.step)
+            found[entry.name] = CheckpointInfo(entry, int(match.group(1)))
+    for name, parked in _parked_checkpoints(root).items():
+        found.setdefault(name, CheckpointInfo(parked, int(name.removeprefix("step_"))))
+    return sorted(found.values(), key=lambda info: info.step)
+
+
+def _parked_checkpoints(root: Path) -> dict[str, Path]:
+    """``{"step_<N>": .replaced-step_<N>-<hex>}``: complete checkpoints an interrupted replacement moved aside."""
+    parked = {}
+    for entry in root.iterdir():
+        match = _REPLACED_DIR.match(entry.name)
+        if match and entry.is_dir() and (entry / MANIFEST_NAME).is_file():
+            parked[match.group(1)] = entry
+    return parked
+
+
+def checkpoint_path(root: Path, name: str) -> Path:
+    """Where the checkpoint ``name`` (``step_<N>``) of ``root`` is: its own directory, or its parked copy."""
+    own = root / name
+    if own.exists():
+        return own
+    return _parked_checkpoints(root).get(name, own) if root.is_dir() else own
 
 
 def verify_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -332,8 +390,8 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The checkpoint ``latest`` names; the highest complete step if the pointer is missing or stale."""
     root = Path(root)
     pointed = _read_pointer(root)
-    if pointed is not None and (root / pointed / MANIFEST_NAME).is_file():
-        return root / pointed
+    if pointed is not None and (checkpoint_path(root, pointed) / MANIFEST_NAME).is_file():
+        return checkpoint_path(root, pointed)
     complete = list_checkpoints(root)
     return complete[-1].path if complete else None
 

@@ -121,18 +121,33 @@ class WriterProcess:
             self._ready = True
 
     def save(
-        self, staged: StagedState, root: Path, step: int, metadata: dict[str, Any], keep_last_n: int | None
+        self,
+        staged: StagedState,
+        root: Path,
+        step: int,
+        metadata: dict[str, Any],
+        keep_last_n: int | None,
+        passed_over: frozenset[str] = frozenset(),
     ) -> Path:
-        """Have the writer save ``staged`` as ``root/step_<step>``; block until it is published (or failed)."""
+        """Have the writer save ``staged`` as ``root/step_<step>``; block until it is published (or failed).
+
+        ``keep_last_n`` and ``passed_over`` are retention's (see :func:`~nvtrain_checkpoint.storage.apply_retention`).
+        """
         label = f"step_{step}"
         self._busy = True
         try:
-            return self._save(staged, root, step, metadata, keep_last_n, label)
+            return self._save(staged, root, step, metadata, (keep_last_n, passed_over), label)
         finally:
             self._busy = False
 
     def _save(
-        self, staged: StagedState, root: Path, step: int, metadata: dict[str, Any], keep_last_n: int | None, label: str
+        self,
+        staged: StagedState,
+        root: Path,
+        step: int,
+        metadata: dict[str, Any],
+        retention: tuple[int | None, frozenset[str]],
+        label: str,
     ) -> Path:
         self.wait_until_ready(label)
         connection = self._connected(label)
@@ -142,7 +157,7 @@ class WriterProcess:
                 connection.send(("arena", arena.capacity))
                 send_handle(connection, arena.fd, self.pid)
                 self._arena = arena.identity
-            connection.send(("save", staged.skeleton, staged.specs, str(root), step, metadata, keep_last_n))
+            connection.send(("save", staged.skeleton, staged.specs, str(root), step, metadata, retention))
         except OSError as err:
             raise self._ended(label) from err
         reply = self._receive(label)
@@ -300,7 +315,7 @@ def _write(
     root: str,
     step: int,
     metadata: dict[str, Any],
-    keep_last_n: int | None,
+    retention: tuple[int | None, frozenset[str]],
 ) -> tuple[Any, ...]:
     """One save, answered: ``("done", path)`` or ``("failed", error, traceback)``. Its tensors (views of
     the arena) go with the call, so a replaced arena can be unmapped."""
@@ -308,7 +323,9 @@ def _write(
         if buffer is None:
             raise RuntimeError("checkpoint writer: a save arrived before its shared-memory arena")
         state = rebuild(skeleton, specs, buffer)
-        return ("done", str(storage.save_checkpoint(Path(root), step, state, metadata, keep_last_n)))
+        keep_last_n, passed_over = retention
+        path = storage.save_checkpoint(Path(root), step, state, metadata, keep_last_n, passed_over=passed_over)
+        return ("done", str(path))
     except Exception as err:
         return ("failed", _portable(err), traceback.format_exc())
 
