@@ -699,8 +699,19 @@ class TrainingStrategy:
                         f"validation metric {plan.metric!r}, which the validation summary lacks "
                         f"(it has {sorted(summary)}); set LRSchedule(monitor=...) to one of them"
                     )
-                value = summary[plan.metric]
-                plan.scheduler.step(float(value))
+                plan.scheduler.step(self._agreed_metric(summary[plan.metric]))
+
+    def _agreed_metric(self, value: Any) -> float:
+        """The monitored value averaged over the ranks (one all-reduce per validation), so every rank's
+        metric-driven scheduler decides alike: each rank validates on its own data (or with its own
+        BatchNorm statistics), and replicas or FSDP shards stepped at different learning rates drift apart."""
+        if self.ctx.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+            return float(value)
+        group = self._scheduler_group()
+        device = torch.device("cpu") if dist.get_backend(group) == "gloo" else self.device
+        total = torch.tensor(float(value), dtype=torch.float64, device=device)
+        dist.all_reduce(total, group=group)
+        return float(total) / dist.get_world_size(group)
 
     def _validate_in_run(self) -> None:
         """Validate without touching the training RNG streams, so a resumed run draws what a straight one does.
