@@ -98,11 +98,11 @@ class TrainingContext:
         (the strategy, its models and their process group were then never freed). Tensors
         inside tuples, lists, dicts and other registered pytree nodes are detached.
         """
-        self.outputs = tree_map_only(torch.Tensor, torch.Tensor.detach, self.outputs)
-        if self.loss is not None:
-            self.loss = self.loss.detach()
-        if self.backward_loss is not None:
-            self.backward_loss = self.backward_loss.detach()
+        detach = torch.Tensor.detach
+        self.outputs = tree_map_only(torch.Tensor, detach, self.outputs)
+        # whatever a loss_fn or a hook left there: a float or a tuple is what the failed step is reported for
+        self.loss = tree_map_only(torch.Tensor, detach, self.loss)
+        self.backward_loss = tree_map_only(torch.Tensor, detach, self.backward_loss)
 
     def __repr__(self) -> str:
         stage = self.stage.name if self.stage is not None else None

@@ -844,15 +844,19 @@ class TrainingStrategy:
         end now rather than whenever the garbage collector finds this strategy. A later
         ``run()`` reopens the epoch where the last one stopped.
         """
-        self._release_run()
-        self.registry.close()
+        try:
+            self._release_run()
+        finally:
+            self.registry.close()
 
     def __enter__(self) -> TrainingStrategy:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self._release_run()
-        self.registry.close(exc)
+        try:
+            self._release_run()
+        finally:  # the hooks are closed whatever letting go of the run raised
+            self.registry.close(exc)
 
     def _release_run(self) -> None:
         self.ctx.release_step_graph()
