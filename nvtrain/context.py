@@ -82,7 +82,7 @@ class TrainingContext:
         ends right after it. Under torch.distributed every rank stops at the same step.
         """
         scheduler = self.scheduler
-        if scheduler is None:
+        if scheduler is None or not self.windowed:  # after a run its scheduler stays, but nothing would stop
             raise RuntimeError(
                 f"ctx.request_stop({reason!r}): no run is in progress; call it from a hook during TrainingStrategy.run()"
             )

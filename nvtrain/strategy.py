@@ -110,6 +110,8 @@ def _as_optimizers(value: Any) -> dict[str, OptimizerFactory]:
 
 
 def _as_hooks(value: Iterable[object]) -> tuple[object, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"TrainingStrategy.hooks must be a list of hooks (got {value!r}); pass [] for none")
     return tuple(value)
 
 
@@ -171,7 +173,7 @@ class TrainingStrategy:
     optimizers: dict[str, OptimizerFactory] = attrs.field(converter=_as_optimizers)
     loss_fn: Callable[[Any, Any], torch.Tensor] = attrs.field()
     lr_schedulers: dict[str, LRSchedule] = attrs.field(factory=dict, converter=_as_schedules)
-    forward_fn: Callable[[TrainingContext], Any] | None = None
+    forward_fn: Callable[[TrainingContext], Any] | None = attrs.field(default=None)
     hooks: Sequence[object] = attrs.field(factory=tuple, converter=_as_hooks)
     device: torch.device = attrs.field(default=None, converter=_as_device)
     num_epochs: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
@@ -195,6 +197,17 @@ class TrainingStrategy:
     def _check_loss_fn(self, attribute: attrs.Attribute[Any], value: Any) -> None:
         if not callable(value):
             raise TypeError(f"TrainingStrategy.loss_fn must be callable (got {value!r})")
+
+    @forward_fn.validator
+    def _check_forward_fn(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None:
+            if "main" not in self.models:  # the default forward runs models["main"]
+                raise ValueError(
+                    f"TrainingStrategy.models has no 'main' model (got {sorted(self.models)}) and no forward_fn: the "
+                    "default forward is models['main'](inputs); name one model 'main' or pass forward_fn(ctx) -> outputs"
+                )
+        elif not callable(value):
+            raise TypeError(f"TrainingStrategy.forward_fn must be callable fn(ctx) -> outputs or None (got {value!r})")
 
     @optimizers.validator
     def _check_optimizers(self, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
@@ -272,6 +285,7 @@ class TrainingStrategy:
 
             checkpointable_hooks(strategy_hooks(self))
         scheduler = self._build_scheduler(ctx.train_loader)
+        self._refuse_unstepped_metric_schedules(scheduler)
         ctx.scheduler = scheduler
         ctx.preempted = False
         ctx.stop_reason = None
@@ -661,6 +675,27 @@ class TrainingStrategy:
             finally:
                 ctx.batch, ctx.models = saved_batch, saved_models
         return outputs, targets, batch_size(batch)
+
+    def _refuse_unstepped_metric_schedules(self, scheduler: StepScheduler) -> None:
+        """A metric-driven LR scheduler (a ReduceLROnPlateau) steps only after validations: a run that never
+        validates would keep its learning rate without a word."""
+        metric_driven = [plan for plan in self._schedules if plan.metric is not None]
+        if not metric_driven:
+            return
+        if not self._has_validation_data():
+            why = "TrainingStrategy.validation has no data"
+        elif self.validation is not None and (
+            self.validation.epoch_interval is None and not scheduler.val_every_steps and not scheduler.validate_on_checkpoint
+        ):
+            why = "no validation cadence is set (ValidationConfig every_n_steps and every_n_epochs are None)"
+        else:
+            return
+        plan = metric_driven[0]
+        raise ValueError(
+            f"TrainingStrategy.lr_schedulers[{plan.name!r}]: {type(plan.scheduler).__name__} steps after each "
+            f"validation with metric {plan.metric!r}, but the run never validates: {why}; give it validation data "
+            "and a cadence, or use a step or epoch schedule"
+        )
 
     def _has_validation_data(self) -> bool:
         return self.validation is not None and self.validation.data is not None
