@@ -60,6 +60,8 @@ class TrainingContext:
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     #: Summary of the latest validation pass (set before AFTER_VALIDATION).
     validation: dict[str, Any] | None = None
+    #: ``step_count`` when that validation ran: whose weights it judged (a run's own, or earlier ones).
+    validation_step: int | None = None
     #: True once a preemption signal ended the run.
     preempted: bool = False
     #: Why the run ended early (a stop request or preemption), set before AFTER_TRAINING; None otherwise.

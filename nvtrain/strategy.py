@@ -48,7 +48,12 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 @attrs.frozen
 class RunResult:
-    """What ``run()`` reports: final counters, whether a preemption signal ended it, last validation."""
+    """What ``run()`` reports: final counters, whether a preemption signal ended it, last validation.
+
+    ``validation`` is the latest validation's summary, of this run or from before it (a
+    ``validate()`` call; a run that did not validate keeps the earlier one): ``validated_at_step``
+    says at which ``step_count``, so whose weights it judged. Both None when nothing validated yet.
+    """
 
     step_count: int
     global_step_count: int
@@ -59,6 +64,8 @@ class RunResult:
     #: Why the run ended early: a hook's ``ctx.request_stop(reason)``, or the preemption signal
     #: (``"preempted by SIGTERM"``); None when it ran to its end.
     stop_reason: str | None = None
+    #: ``step_count`` when ``validation`` was taken (the final weights' when it equals ``step_count``).
+    validated_at_step: int | None = None
 
 
 # -- field converters and validators ------------------------------------------------
@@ -321,6 +328,7 @@ class TrainingStrategy:
             preempted=ctx.preempted,
             validation=ctx.validation,
             stop_reason=ctx.stop_reason,
+            validated_at_step=ctx.validation_step,
         )
 
     def _run_epoch(self, scheduler: StepScheduler, epoch: int) -> None:
@@ -651,7 +659,7 @@ class TrainingStrategy:
             metrics=config.metrics,
         )
         summary = loop.run(models, (self._move_batch(b) for b in loader))
-        ctx.validation = summary
+        ctx.validation, ctx.validation_step = summary, ctx.step_count
         if ctx.windowed:  # inside run(): a ReduceLROnPlateau steps with this validation's metric
             self._step_schedules("metric")
         return summary
