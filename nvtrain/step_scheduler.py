@@ -43,7 +43,7 @@ from nvtrain.data_cursor import is_one_shot
 from nvtrain.data_resharding import global_order, resharded_position
 from nvtrain.epoch_reader import NO_ITEM, EpochReader, loader_len, loader_parts
 from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
-from nvtrain.validators import int_at_least, optional_int_at_least
+from nvtrain.validators import int_at_least, optional_int_at_least, refused
 
 if TYPE_CHECKING:
     from typing import Self
@@ -80,7 +80,7 @@ def _check_int(owner: str, name: str, value: Any, minimum: int, *, optional: boo
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         expected = f"an int >= {minimum}" + (" or None" if optional else "")
-        raise ValueError(f"{owner}.{name} must be {expected} (got {value!r})")
+        raise refused(owner, name, value, expected)
 
 
 def _val_cadences(owner: str, value: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -154,10 +154,15 @@ class StepScheduler:
         ):
             _check_int(owner, name, value, 1)
         if global_batch_size % (local_batch_size * dp_size):
-            raise ValueError(
-                f"{owner}: global_batch_size={global_batch_size} is not a multiple of "
+            expected = f"a multiple of local_batch_size * dp_size (= {local_batch_size * dp_size})"
+            raise refused(
+                owner,
+                "global_batch_size",
+                global_batch_size,
+                expected,
+                message=f"{owner}: global_batch_size={global_batch_size} is not a multiple of "
                 f"local_batch_size={local_batch_size} * dp_size={dp_size} (= {local_batch_size * dp_size}); "
-                "every optimizer step must see whole micro-batches on every rank"
+                "every optimizer step must see whole micro-batches on every rank",
             )
         for name, bound in (
             ("ckpt_every_steps", ckpt_every_steps),

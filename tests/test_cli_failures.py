@@ -194,6 +194,11 @@ def test_a_user_module_that_raises_on_import_is_one_line_exit_2(
             "micro-batch(es) per optimizer step, but hooks[0].steps (accumulate) accumulates over 4",
         ),
         (
+            ["trainer.global_batch_size=100"],
+            "trainer.global_batch_size",
+            "StepScheduler: global_batch_size=100 is not a multiple of local_batch_size=64 * dp_size=1 (= 64)",
+        ),
+        (
             ["lr_scheduler={factory: plateau}"],
             "lr_scheduler.monitor",
             "plateau is stepped after each validation with validation value 'loss', but the run never validates: "

@@ -82,7 +82,8 @@ def build(
     try:
         run_length, run_epochs = _run_bounds(config, train_loader, world_size, accumulation=_accumulation(plan))
     except ValueError as err:  # the step scheduler's own checks (global_batch_size a multiple of ...)
-        raise loaded.error(str(err), ("trainer",)) from None
+        field = getattr(err, "field", "")  # placed at the setting it names, where that setting came from
+        raise loaded.error(str(err), ("trainer", field) if hasattr(config.trainer, field) else ("trainer",)) from None
     _check_accumulation(plan, train_loader, world_size)
     if plan.scheduler_total_steps:
         _check_horizon(plan, run_length, run_epochs)
