@@ -6,6 +6,7 @@ import gc
 import itertools
 import signal
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from nvtrain.hook import (
 from nvtrain.lr_schedule import LRSchedule, ScheduledLR, plan_schedules
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.registry import HookRegistry
+from nvtrain.run_release import LiveData
 from nvtrain.stages import TrainingStage
 from nvtrain.step_scheduler import StepScheduler, StepSchedulerConfig
 from nvtrain.validation import ValidationConfig, ValidationLoop, validation_autocast, validation_models
@@ -199,6 +201,8 @@ class TrainingStrategy:
     _setup_loader: Any = attrs.field(init=False, default=None)
     _move_batch: Callable[[Any], Any] = attrs.field(init=False)
     _schedules: tuple[ScheduledLR, ...] = attrs.field(init=False, default=())
+    #: What the last run read from, released when this strategy is collected unclosed (see run_release).
+    _live_data: LiveData = attrs.field(init=False, factory=LiveData)
 
     @loss_fn.validator
     def _check_loss_fn(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -247,6 +251,9 @@ class TrainingStrategy:
         )
         self._move_batch = _identity if self.device.type == "cpu" else device_mover(self.device)
         self.registry = HookRegistry(self.hooks)
+        if self.validation is not None:
+            self._live_data.loaders = [self.validation.data]
+        weakref.finalize(self, self._live_data.release)
 
     # -- registration -------------------------------------------------------------------
 
@@ -294,6 +301,8 @@ class TrainingStrategy:
         scheduler = self._build_scheduler(ctx.train_loader)
         self._refuse_unstepped_metric_schedules(scheduler)
         ctx.scheduler = scheduler
+        self._live_data.scheduler = scheduler
+        self._live_data.loaders = [ctx.train_loader, self.validation.data if self.validation is not None else None]
         ctx.preempted = False
         ctx.stop_reason = None
         ctx.windowed = True
