@@ -722,6 +722,7 @@ def test_a_checkpoint_of_another_model_is_refused_clearly(driver: ModuleType, tm
     assert any(f"while restoring checkpoint '{tmp_path}'" in note for note in info.value.__notes__)
     kwargs = driver.strategy_kwargs("plain", [])
     kwargs["models"], kwargs["optimizers"], kwargs["lr_schedulers"] = {"other": kwargs["models"]}, {"other": kwargs["optimizers"]}, {}
+    kwargs["forward_fn"] = lambda ctx: ctx.models["other"](ctx.batch[0])  # no "main": the default forward needs one
     with pytest.raises(ValueError, match=r"the checkpoint's models are \['main'\] but this strategy has \['other'\]"):
         nvtrain.TrainingStrategy.load_checkpoint(tmp_path, **kwargs)
 
