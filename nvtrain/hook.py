@@ -137,6 +137,8 @@ class TrainingUpdateHook:
     - ``AFTER_OPTIMIZER_STEP``: both ignored; ``will_skip`` says whether the step was skipped.
 
     Hooks never call ``backward()`` or ``step()`` themselves; the orchestrator does.
+    A hook that opens something for the length of a batch (a context such as
+    autocast) closes it in ``abort_batch()`` too, which runs when the batch raises.
     A hook that must perform the optimizer step differently (a loss scaler) defines
     ``step_optimizer(ctx, name, optimizer) -> bool`` returning whether the step
     really happened; at most one hook per strategy may do so.
@@ -186,6 +188,14 @@ class TrainingUpdateHook:
         if isinstance(other, TrainingUpdateHook):
             return TrainingUpdateOrchestrator([self, other])
         return NotImplemented
+
+    def abort_batch(self) -> None:
+        """Leave what this hook opened for the current micro-batch (an autocast region): the batch raised.
+
+        ``run()`` and ``train_batch()`` call it on every update hook before the exception
+        reaches their caller, so no per-batch state leaks into the caller's code or a later
+        ``validate()``. Unlike ``close()`` the hook stays usable: the strategy may train on.
+        """
 
     def close(self) -> None:
         """Release resources; called when the strategy's context exits (also on error)."""

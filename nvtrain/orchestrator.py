@@ -86,6 +86,8 @@ class TrainingUpdateOrchestrator:
         #: Standalone ``train_batch()``: the accumulating hook's ``place_micro_batch(ctx)``, which publishes the
         #: micro-batch's window fields before BEFORE_BATCH (None: every micro-batch is a window of one).
         self.window_placer: Callable[[TrainingContext], None] | None = placers[0] if placers else None
+        #: Aborted in reverse call order: what a later hook opened inside an earlier one's region closes first.
+        self._abort_order = tuple(reversed(ordered))
         steppers = [h for h in ordered if callable(getattr(h, "step_optimizer", None))]
         self._stepper = steppers[0] if steppers else None
         self._optimizers: tuple[tuple[str, torch.optim.Optimizer, tuple[Any, ...]], ...] = ()
@@ -254,6 +256,22 @@ class TrainingUpdateOrchestrator:
         for hook in self._after_step_hooks:
             hook(ctx, _AFTER_OPTIMIZER_STEP, will_skip)
 
+    def abort_batch(self, pending: BaseException) -> None:
+        """A micro-batch raised ``pending``: let every hook leave what it opened for it (an autocast region).
+
+        The strategy calls this before the exception reaches its caller, so no per-batch
+        state outlives the failed batch. Every hook is asked, in reverse call order; a hook
+        whose ``abort_batch()`` fails adds a note to ``pending`` instead of hiding it.
+        """
+        for hook in self._abort_order:
+            try:
+                hook.abort_batch()
+            except Exception as err:  # noted on the exception on its way out, never dropped
+                pending.add_note(
+                    f"while aborting the failed batch, update hook {hook_label(hook)}.abort_batch() raised "
+                    f"{type(err).__name__}: {err}"
+                )
+
     def __repr__(self) -> str:
         return f"TrainingUpdateOrchestrator({[hook_label(h) for h in self.hooks]})"
 
@@ -370,6 +388,11 @@ def _undeclared_hint(hook: object) -> str:
     )
 
 
+def _kind(exclusive_key: object) -> str:
+    """What an exclusive key calls its hooks in a message: ``"mixed_precision"`` -> ``"mixed-precision"``."""
+    return str(exclusive_key).replace("_", "-")
+
+
 def _check_composition(hooks: Sequence[object]) -> None:
     seen: dict[int, object] = {}
     exclusive: dict[str, object] = {}
@@ -393,7 +416,7 @@ def _check_composition(hooks: Sequence[object]) -> None:
             if key in exclusive:
                 raise ValueError(
                     f"update hooks {hook_label(exclusive[key])} and {hook_label(hook)} share the exclusive "
-                    f"key {key!r}: at most one such hook per strategy (e.g. one mixed-precision hook)"
+                    f"key {key!r}: at most one {_kind(key)} hook per strategy"
                 )
             exclusive[key] = hook
         if callable(getattr(hook, "step_optimizer", None)):

@@ -322,6 +322,9 @@ class TrainingStrategy:
                 ctx.stop_reason = _stop_reason(scheduler)
                 ctx.stage = _AFTER_TRAINING
                 bus.after_training(ctx)
+        except BaseException as err:  # free when nothing raises: the update hooks leave the failed batch
+            self.registry.orchestrator.abort_batch(err)
+            raise
         finally:
             ctx.windowed = False
             # a run that failed inside a window leaves no window open: the scheduler replays it on resume
@@ -509,6 +512,9 @@ class TrainingStrategy:
             placer(ctx)
         try:
             self._train_micro_batch(batch)
+        except BaseException as err:  # free when nothing raises: the update hooks leave the failed batch
+            self.registry.orchestrator.abort_batch(err)
+            raise
         finally:
             ctx.release_step_graph()
         return ctx.loss

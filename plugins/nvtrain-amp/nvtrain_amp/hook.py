@@ -26,6 +26,20 @@ _DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
 _AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
 
 
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any parameter of ``optimizer`` holds a gradient: GradScaler records no inf check for one that
+    has none, and its ``step()`` then refuses it. Stops at the first gradient (usually the first parameter)."""
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+def _any_overflow(scaler: torch.amp.GradScaler, optimizers: Iterable[torch.optim.Optimizer]) -> bool:
+    """Whether the inf checks ``unscale_`` recorded for ``optimizers`` found an inf/NaN (one host read)."""
+    flags = [flag.reshape(()) for optimizer in optimizers for flag in scaler._found_inf_per_device(optimizer).values()]
+    if not flags:
+        return False
+    return bool(torch.stack([flag.to(flags[0].device) != 0 for flag in flags]).any())
+
+
 def _skip_together(scaler: torch.amp.GradScaler, optimizers: Iterable[torch.optim.Optimizer]) -> None:
     """One decision per batch: an inf/NaN in any optimizer's gradients skips every optimizer's step.
 
@@ -70,7 +84,9 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     hook vetoed the step (so clipping and spike detection at priorities 30/40 see
     real gradients); ``scaler.step`` runs in :meth:`step_optimizer`, and
     ``scaler.update`` at AFTER_OPTIMIZER_STEP whenever this batch unscaled. A
-    GradScaler inf/NaN skip is reported as a skipped step.
+    GradScaler inf/NaN skip is reported as a skipped step. An optimizer whose
+    parameters have no gradients on a batch is stepped as in fp32 (unless the batch
+    overflowed); a batch that raises closes its autocast region (:meth:`abort_batch`).
     """
 
     plugin_name: ClassVar[str] = "amp"
@@ -94,7 +110,12 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     _training_autocast: torch.autocast | None = attrs.field(init=False, default=None, repr=False)
     # Flags flipped on every batch: plain attribute writes (no attrs validation pipeline on the hot path).
     _autocast_open: bool = attrs.field(init=False, default=False, repr=False, on_setattr=attrs.setters.NO_OP)
-    _unscaled: bool = attrs.field(init=False, default=False, repr=False, on_setattr=attrs.setters.NO_OP)
+    #: The optimizers this batch unscaled (those with gradients); empty: none, so no ``update()`` is due.
+    _unscaled: tuple[torch.optim.Optimizer, ...] = attrs.field(
+        init=False, default=(), repr=False, on_setattr=attrs.setters.NO_OP
+    )
+    #: Whether this batch's fp16 step happened, once a scaler step has told (None: not known yet).
+    _batch_stepped: bool | None = attrs.field(init=False, default=None, repr=False, on_setattr=attrs.setters.NO_OP)
     _watchers: weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepWatcher] = attrs.field(
         init=False, factory=weakref.WeakKeyDictionary, repr=False
     )
@@ -137,13 +158,18 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         return self._scaler
 
     def create_scaler(self, device_type: str) -> torch.amp.GradScaler:
-        """Build the fp16 GradScaler for ``device_type``; override to substitute another scaler."""
+        """Build the fp16 GradScaler for ``device_type``; override to substitute another scaler.
+
+        It must be a ``torch.amp.GradScaler`` (a subclass is fine): the hook reads the inf checks it
+        recorded per optimizer (one skip decision for all optimizers, the ``overflow_skips`` metric)
+        and its scale tensor (``loss_scale``) on the device, without a host sync.
+        """
         return torch.amp.GradScaler(device_type, **self._scaler_settings())
 
     def create_sharded_scaler(self, device_type: str, process_group: Any) -> torch.amp.GradScaler:
         """Build the fp16 scaler for models sharded with FSDP (DTensor parameters): torch's
         ``ShardedGradScaler``, whose inf/NaN check is all-reduced over ``process_group``, so every rank
-        skips the same steps. Override to substitute another."""
+        skips the same steps. Override to substitute another (a ``torch.amp.GradScaler`` subclass)."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         # Its inf check hands a plain one-element tensor to an op over DTensor gradients; DTensor warns that
@@ -178,6 +204,12 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         """Learn the device early, so ``autocast()`` is right for a validation before training."""
         self._resolve(ctx.device)
 
+    def abort_batch(self) -> None:
+        """The batch raised: leave its autocast region now, not at the next batch (the caller's code, or a
+        ``validate()`` in full precision, would run under it). A scaler left unscaled is reset at the next batch."""
+        self._close_autocast()
+        self._batch_stepped = None
+
     def close(self) -> None:
         """Leave an autocast region an exception left open; drop the optimizer step watchers."""
         self._close_autocast()
@@ -197,18 +229,25 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             return True, self._do_backward(ctx)
         elif stage == _DO_OPTIMIZER_STEP:
             if not will_skip and self._scaler is not None:
-                for optimizer in ctx.optimizers.values():
-                    self._scaler.unscale_(optimizer)
-                if len(ctx.optimizers) > 1:
-                    _skip_together(self._scaler, ctx.optimizers.values())
-                self._unscaled = True
+                self._unscale(self._scaler, ctx.optimizers.values())
         elif stage == _AFTER_OPTIMIZER_STEP and self._unscaled:
             # Also after a later hook vetoed the step: update() consumes the inf checks
             # unscale_ recorded and resets the per-optimizer state, so the next unscale_ works.
-            self._unscaled = False
             self._publish_metrics(ctx)
+            self._unscaled = ()
             self._scaler.update()  # type: ignore[union-attr]
         return True, None
+
+    def _unscale(self, scaler: torch.amp.GradScaler, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Unscale the optimizers that have gradients (an optimizer without any has nothing to check and is
+        stepped as in fp32, see :meth:`step_optimizer`); an inf/NaN in any of them skips them all."""
+        unscaled = tuple(optimizer for optimizer in optimizers if _has_gradients(optimizer))
+        for optimizer in unscaled:
+            scaler.unscale_(optimizer)
+        if len(unscaled) > 1:
+            _skip_together(scaler, unscaled)
+        self._unscaled = unscaled
+        self._batch_stepped = None
 
     def _publish_metrics(self, ctx: nvtrain.TrainingContext) -> None:
         """fp16: ``loss_scale`` and ``overflow_skips`` (steps GradScaler skipped for inf/NaN gradients) in
@@ -217,7 +256,7 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         assert scaler is not None
         found = [
             flag.reshape(()).float()
-            for optimizer in ctx.optimizers.values()
+            for optimizer in self._unscaled
             for flag in scaler._found_inf_per_device(optimizer).values()
         ]
         if not found:
@@ -243,11 +282,23 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         further sync. Optimizers that handle scaling in their own kernel
         (``_step_supports_amp_scaling``, e.g. fused Adam) are always called and skip on
         the device; for those the hook reads the inf check once.
+
+        An optimizer none of whose parameters has a gradient (its model unused on this
+        batch) is stepped as in fp32, ``optimizer.step()``, unless an inf/NaN in another
+        optimizer's gradients skips this batch's step: one decision for every optimizer.
         """
         scaler = self._scaler
         if scaler is None:
             optimizer.step()
             return True
+        if optimizer not in self._unscaled:  # identity: optimizers do not define ==, so this is ``is``
+            return self._step_without_gradients(scaler, optimizer)
+        stepped = self._scaled_step(scaler, optimizer)
+        self._batch_stepped = stepped
+        return stepped
+
+    def _scaled_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+        """``scaler.step(optimizer)``, and whether it called ``optimizer.step()`` (see :meth:`step_optimizer`)."""
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             scaler.step(optimizer)
             found = list(scaler._found_inf_per_device(optimizer).values())
@@ -260,6 +311,16 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         watcher.stepped = False
         scaler.step(optimizer)
         return watcher.stepped
+
+    def _step_without_gradients(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+        """fp32's step for an optimizer without gradients, unless the batch overflowed. Whether it did is
+        known once another optimizer stepped; before that it costs one host read (on such batches only)."""
+        stepped = self._batch_stepped
+        if stepped is None:
+            stepped = not _any_overflow(scaler, self._unscaled)
+        if stepped:
+            optimizer.step()
+        return stepped
 
     # -- checkpoint state ------------------------------------------------------------------
 
@@ -335,7 +396,11 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         self._scaler_due = False
         group = _sharding_group(ctx.models.values())
         device_type = ctx.device.type
-        scaler = self.create_scaler(device_type) if group is None else self.create_sharded_scaler(device_type, group)
+        if group is None:
+            scaler, method = self.create_scaler(device_type), "create_scaler"
+        else:
+            scaler, method = self.create_sharded_scaler(device_type, group), "create_sharded_scaler"
+        _check_scaler(self, method, scaler)
         if self._pending_scaler_state is not None:
             scaler.load_state_dict(self._pending_scaler_state)
             self._pending_scaler_state = None
@@ -355,7 +420,7 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             self._close_autocast()
         if self._unscaled:
             # A batch that raised after unscale_: reset the scaler before this batch scales.
-            self._unscaled = False
+            self._unscaled = ()
             self._scaler.update()  # type: ignore[union-attr]
         if self._dtype is None:
             self._resolve(ctx.device)
@@ -389,6 +454,15 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             watcher.handle = optimizer.register_step_post_hook(watcher.mark)
             self._watchers[optimizer] = watcher
         return watcher
+
+
+def _check_scaler(hook: MixedPrecisionHook, method: str, scaler: object) -> None:
+    """Refuse a scaler the hook cannot read its per-optimizer inf checks and scale tensor from."""
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"{type(hook).__name__}.{method}() must return a torch.amp.GradScaler (or an instance of a "
+            f"subclass: the hook reads the inf checks and the scale it keeps), got {type(scaler).__name__}"
+        )
 
 
 def _sharding_group(models: Iterable[torch.nn.Module]) -> Any:

@@ -275,7 +275,7 @@ def test_scaler_settings_reach_the_grad_scaler() -> None:
 
 
 def test_only_one_mixed_precision_hook_per_strategy() -> None:
-    with pytest.raises(ValueError, match="exclusive key 'mixed_precision'"):
+    with pytest.raises(ValueError, match="exclusive key 'mixed_precision': at most one mixed-precision hook per"):
         make_strategy([MixedPrecisionHook(precision="bf16"), MixedPrecisionHook(precision="fp16")])
 
 
@@ -382,15 +382,47 @@ def test_autocast_is_closed_when_the_forward_raises() -> None:
     assert not torch.is_autocast_enabled("cpu")
 
 
-def test_next_batch_closes_an_autocast_left_open_by_an_exception() -> None:
+def test_a_failed_train_batch_leaves_autocast_off_without_closing_the_strategy() -> None:
     strategy = make_strategy([MixedPrecisionHook(precision="bf16")], forward_fn=forward_failing_once())
     batch = make_batches(1)[0]
     with pytest.raises(RuntimeError, match="boom in forward"):
         strategy.train_batch(batch)
-    assert torch.is_autocast_enabled("cpu")  # left open: nobody closed the strategy
-    strategy.train_batch(batch)
+    assert not torch.is_autocast_enabled("cpu")  # nobody closed the strategy
+    strategy.train_batch(batch)  # and it trains on
     assert not torch.is_autocast_enabled("cpu")
     assert strategy.ctx.step_count == 1
+
+
+def test_next_batch_closes_an_autocast_left_open_outside_the_strategy() -> None:
+    """A batch driven through the hook by hand and abandoned: the next batch still starts clean."""
+    hook = MixedPrecisionHook(precision="bf16")
+    strategy = make_strategy([hook])
+    strategy.setup()
+    hook(strategy.ctx, S.BEFORE_BATCH, False)
+    assert torch.is_autocast_enabled("cpu")
+    strategy.train_batch(make_batches(1)[0])
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_failed_run_leaves_autocast_off_and_validation_in_full_precision() -> None:
+    """Not used as a context manager, a strategy whose run() raised leaks no bf16 into the caller's code nor into
+    a validate(use_mixed_precision=False)."""
+    dtypes: list[torch.dtype] = []
+
+    def record_dtype(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        dtypes.append(outputs.dtype)
+        return outputs.float().mean()
+
+    config = nvtrain.ValidationConfig(data=make_batches(1), use_mixed_precision=False, metrics={"dtype": record_dtype})
+    strategy = make_strategy(
+        [MixedPrecisionHook(precision="bf16")], forward_fn=forward_failing_once(), validation=config, num_epochs=1
+    )
+    with pytest.raises(RuntimeError, match="boom in forward"):
+        strategy.run(make_batches(3))
+    assert not torch.is_autocast_enabled("cpu")
+    assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    strategy.validate()
+    assert dtypes == [torch.float32]
 
 
 def test_validation_follows_use_mixed_precision() -> None:
@@ -570,6 +602,32 @@ def test_fused_optimizer_skip_is_reported() -> None:
     strategy.train_batch(batches[1])
     assert strategy.ctx.step_skipped is False
     assert strategy.ctx.step_count == 1
+
+
+class NotAGradScaler:
+    """GradScaler's public methods by delegation: the hook needs the inf checks a GradScaler keeps."""
+
+    def __init__(self, device_type: str) -> None:
+        self._inner = torch.amp.GradScaler(device_type)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_a_scaler_that_is_no_grad_scaler_is_refused_naming_create_scaler() -> None:
+    class DelegatingAmp(MixedPrecisionHook):
+        def create_scaler(self, device_type: str) -> Any:
+            return NotAGradScaler(device_type)
+
+    strategy = make_strategy([DelegatingAmp(precision="fp16")])
+    with pytest.raises(
+        TypeError,
+        match=r"^DelegatingAmp\.create_scaler\(\) must return a torch\.amp\.GradScaler .*got NotAGradScaler$",
+    ):
+        strategy.train_batch(make_batches(1)[0])
+    assert not torch.is_autocast_enabled("cpu")
 
 
 def test_a_batch_that_raised_after_unscale_does_not_break_the_next() -> None:
@@ -767,3 +825,100 @@ def test_an_overflow_in_one_optimizers_gradients_skips_every_optimizer() -> None
     strategy.train_batch(third)  # the scaler backed off and both step again
     assert strategy.ctx.step_skipped is False and strategy.ctx.step_count == 2
     assert all(not torch.equal(model.weight, before[name]) for name, model in models.items())
+
+
+class CountSteps:
+    """Counts ``optimizer.step()`` calls (an optimizer step post-hook)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.calls = 0
+        optimizer.register_step_post_hook(self._mark)
+
+    def _mark(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.calls += 1
+
+
+def two_models_one_unused(precision: str, order: tuple[str, str], poison: dict[str, bool]) -> nvtrain.TrainingStrategy:
+    """Optimizers in ``order``; model "aux" joins the forward on odd batches only, so on even ones its optimizer
+    has no gradients. ``poison["on"]`` puts an inf into main's gradients."""
+    torch.manual_seed(0)
+    models = {"main": torch.nn.Linear(4, 1), "aux": torch.nn.Linear(4, 1)}
+    models["main"].weight.register_hook(lambda grad: grad * float("inf") if poison["on"] else grad)
+
+    def forward(ctx: nvtrain.TrainingContext) -> torch.Tensor:
+        out = ctx.models["main"](ctx.batch[0])
+        return out + ctx.models["aux"](ctx.batch[0]) if ctx.batch_count % 2 == 1 else out
+
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.1)  # would move grad-less weights
+    step_lr = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+    return nvtrain.TrainingStrategy(
+        models={name: models[name] for name in order},
+        optimizers={name: sgd for name in order},
+        lr_schedulers={name: step_lr for name in order},
+        loss_fn=torch.nn.functional.mse_loss,
+        forward_fn=forward,
+        hooks=[MixedPrecisionHook(precision=precision, init_scale=2.0**8)],
+        device="cpu",
+    )
+
+
+def weights(strategy: nvtrain.TrainingStrategy) -> dict[str, list[torch.Tensor]]:
+    return {name: [p.detach().clone() for p in m.parameters()] for name, m in strategy.ctx.models.items()}
+
+
+@pytest.mark.parametrize("order", [("main", "aux"), ("aux", "main")])
+def test_an_optimizer_without_gradients_steps_as_in_fp32(order: tuple[str, str]) -> None:
+    """fp16 where one of two optimizers has no gradients on a batch: no GradScaler assertion, and that optimizer
+    gets what fp32 gives it: ``optimizer.step()`` (a no-op for parameters without gradients, even with momentum and
+    weight decay), its LR scheduler steps, and the batch counts as a step."""
+    seen = {}
+    for precision in ("fp32", "fp16"):
+        strategy = two_models_one_unused(precision, order, {"on": False})
+        strategy.setup()
+        counters = {name: CountSteps(optimizer) for name, optimizer in strategy.ctx.optimizers.items()}
+        before = weights(strategy)
+        strategy.train_batch(make_batches(1)[0])  # batch 0: aux unused
+        after = weights(strategy)
+        seen[precision] = (
+            strategy.ctx.step_skipped,
+            strategy.ctx.step_count,
+            {name: c.calls for name, c in counters.items()},
+            {name: s.last_epoch for name, s in strategy.ctx.lr_schedulers.items()},
+            all(torch.equal(a, b) for a, b in zip(before["aux"], after["aux"], strict=True)),
+        )
+        strategy.train_batch(make_batches(2)[1])  # batch 1: both have gradients
+        assert strategy.ctx.step_count == 2, precision
+    assert seen["fp16"] == seen["fp32"] == (False, 1, {"main": 1, "aux": 1}, {"main": 1, "aux": 1}, True)
+
+
+@pytest.mark.parametrize("order", [("main", "aux"), ("aux", "main")])
+def test_an_overflow_skips_the_optimizer_without_gradients_too(order: tuple[str, str]) -> None:
+    """One decision per batch: an inf in main's gradients skips aux's step although aux had none to check."""
+    poison = {"on": True}
+    strategy = two_models_one_unused("fp16", order, poison)
+    strategy.setup()
+    counters = {name: CountSteps(optimizer) for name, optimizer in strategy.ctx.optimizers.items()}
+    strategy.train_batch(make_batches(1)[0])  # batch 0: aux unused, main overflows
+    assert strategy.ctx.step_skipped is True and strategy.ctx.step_count == 0
+    assert {name: c.calls for name, c in counters.items()} == {"main": 0, "aux": 0}
+    assert {name: s.last_epoch for name, s in strategy.ctx.lr_schedulers.items()} == {"main": 0, "aux": 0}
+    assert float(strategy.ctx.metrics["overflow_skips"]) == 1.0
+    poison["on"] = False
+    strategy.train_batch(make_batches(2)[1])
+    assert strategy.ctx.step_skipped is False and strategy.ctx.step_count == 1
+
+
+@pytest.mark.parametrize(("order", "expected"), [(("main", "aux"), 1), (("aux", "main"), 2)])
+def test_an_optimizer_without_gradients_costs_a_host_read_only_before_the_outcome_is_known(
+    order: tuple[str, str], expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stepped after an optimizer with gradients, it reuses that step's outcome; before one, it reads the inf
+    check once more (only on such batches)."""
+    strategy = two_models_one_unused("fp16", order, {"on": False})
+    batches = make_batches(3)
+    strategy.train_batch(batches[1])
+    strategy.train_batch(batches[1])  # warm-up on batches with gradients everywhere (odd batch counts)
+    with count_host_syncs("cpu", monkeypatch) as found:
+        strategy.train_batch(batches[2])  # batch 2: aux unused
+    assert strategy.ctx.step_count == 3
+    assert len(found) == expected, found

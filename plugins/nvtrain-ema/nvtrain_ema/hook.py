@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -178,6 +179,8 @@ class EMAHook(nvtrain.TrainingUpdateHook):
                 "TrainingStrategy and train (or validate) first"
             )
         source = self._source(self._models)
+        for unit in _fsdp_units(source):  # gathered parameters (a forward without reshard) are no shards to copy
+            unit.reshard()
         averaged: AveragedModel | ShardedAverage
         if _is_sharded(source):
             averaged = ShardedAverage(source, use_buffers=self.use_buffers)
@@ -304,6 +307,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def _fsdp_units(model: torch.nn.Module) -> list[Any]:
+    """The modules of ``model`` that ``fully_shard`` made FSDP units (none for tensor parallelism alone)."""
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp_module is None:  # FSDP not even imported: nothing is sharded with it
+        return []
+    return [module for module in model.modules() if isinstance(module, fsdp_module)]
+
+
 def _is_sharded(model: torch.nn.Module) -> bool:
     """Whether the model's parameters are DTensors (FSDP2's ``fully_shard``, or tensor parallelism)."""
     from torch.distributed.tensor import DTensor
@@ -345,6 +356,7 @@ class ShardedAverage(torch.nn.Module):
         device = first.device if first is not None else torch.device("cpu")
         self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long, device=device))
         self._kept: list[torch.Tensor] | None = None
+        self._fsdp_units = _fsdp_units(source)
 
     source: torch.nn.Module
     n_averaged: torch.Tensor
@@ -360,6 +372,10 @@ class ShardedAverage(torch.nn.Module):
         return live, [_local(t) for t in (*self.averaged_parameters, *self.averaged_buffers)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Unsharded parameters (FSDP keeps them after a forward with reshard_after_forward=False, and after the
+        # root's) hold gathered values the next forward would use as they are: drop them on both sides of the
+        # swap, so this forward gathers the average and the next one gathers the model's own weights again.
+        self._reshard()
         live, averaged = self._pairs()
         with torch.no_grad():
             if self._kept is None:
@@ -373,8 +389,14 @@ class ShardedAverage(torch.nn.Module):
             return self.source(*args, **kwargs)
         finally:
             self.source.train(was_training)
+            self._reshard()
             with torch.no_grad():
                 torch._foreach_copy_(live, self._kept)
+
+    def _reshard(self) -> None:
+        """Register every FSDP unit's shards again, freeing gathered parameters (local: no communication)."""
+        for unit in self._fsdp_units:
+            unit.reshard()
 
     def _named_entries(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from zip(self._param_names, self.averaged_parameters, strict=True)

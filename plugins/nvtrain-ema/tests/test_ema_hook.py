@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import types
 import warnings
 from typing import Any
 
@@ -373,6 +374,49 @@ def test_ddp_wrapper_is_not_copied(tmp_path: Any) -> None:
         assert ema.num_updates == 2
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Any) -> Any:
+    """A one-process gloo group, for a model sharded with FSDP2 in this process."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group already running")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_weights_left_gathered_never_reach_the_average_or_the_next_forward(one_rank_group: Any) -> None:
+    """Without reshard_after_forward FSDP2 keeps the weights a forward gathered, and the next forward uses
+    them as they are: the average must be made of the shards, run on its own weights, and leave the
+    model's for the next forward."""
+    from nvtrain_ema import ShardedAverage
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model, plain = make_model(), make_model()
+    fully_shard(model, reshard_after_forward=False)
+    shards = [p.to_local() for p in model.parameters()]  # the storage of the model's own weights
+    x = make_batches(1)[0][0]
+    with torch.no_grad():
+        model(x)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())  # the case under test: left gathered
+    ema = EMAHook(decay=0.5)
+    ema.setup(types.SimpleNamespace(models={"main": model}))
+    averaged = ema.get_averaged_model()
+    assert isinstance(averaged, ShardedAverage)  # made of the shards, not a copy of the gathered module
+    with torch.no_grad():
+        averaged_output = averaged(x)  # the average is a copy of the initial weights
+        assert all(isinstance(p, DTensor) for p in model.parameters())  # the average's gathered weights are gone
+        torch._foreach_add_(shards, 1.0)  # the model moves on
+        torch._foreach_add_(list(plain.parameters()), 1.0)
+        torch.testing.assert_close(averaged(x), averaged_output, rtol=0.0, atol=0.0)
+    next_output = model(x)  # as a training step's forward: with grad
+    torch.testing.assert_close(next_output, plain(x), **TOL)
 
 
 # -- checkpoint state --------------------------------------------------------------------------------

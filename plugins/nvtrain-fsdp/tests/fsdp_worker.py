@@ -321,6 +321,61 @@ def ema(out: Path) -> None:
     finish(manager)
 
 
+class RecordValidationLosses:
+    """The validation loss of every validation, in order."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    @nvtrain.hookimpl
+    def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
+        self.losses.append(torch.as_tensor(ctx.validation["loss"]).detach().clone())
+
+
+def ema_loss(x: torch.Tensor, y: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """The loss on the validation batch of the plain model holding ``weights``."""
+    plain = make_model()
+    with torch.no_grad():
+        for param, value in zip(plain.parameters(), weights, strict=True):
+            param.copy_(value)
+        return torch.nn.functional.mse_loss(plain(x[:8]), y[:8])
+
+
+def ema_without_reshard(out: Path) -> None:
+    """EMA validation every 2 steps under ``reshard_after_forward=False``, where FSDP keeps the parameters it
+    gathered after a forward: training after a validation must not use the average, and validating the average
+    must not use weights the model's own forward left gathered."""
+    manager = nvtrain.DistributedManager.initialize(device="cpu")
+    x, y = make_data(32)
+    averaging, record = EMAHook(decay=0.5), RecordValidationLosses()
+    validation = nvtrain.ValidationConfig(data=[(x[:8], y[:8])], every_n_steps=2, use_ema=True)
+    strategy = strategy_for(manager, [FSDPHook(reshard_after_forward=False), averaging, record], validation=validation)
+    with strategy:
+        strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
+        model = strategy.ctx.models["main"]
+        params, in_run = gathered(model), list(record.losses)
+        with torch.no_grad():
+            model(x[:8])  # the model's own forward: its weights stay gathered
+        left_gathered = not any(isinstance(p, DTensor) for p in model.parameters())
+        summary = strategy.validate()
+        payload = {
+            "params": params,
+            "left_gathered": left_gathered,
+            "validation_losses": in_run,
+            "validation_loss_after_own_forward": summary["loss"],
+            "model_untouched_by_validation": all(
+                torch.equal(a, b) for a, b in zip(params, gathered(model), strict=True)
+            ),
+        }
+    save(out, f"rank{manager.rank}.pt", payload)
+    if manager.rank == 0:
+        ref = reference(x, y, steps=4, world_size=manager.world_size, ema_decay=0.5)
+        at_step_2 = reference(x, y, steps=2, world_size=manager.world_size, ema_decay=0.5)
+        ref["validation_losses"] = [ema_loss(x, y, at_step_2["ema"]), ema_loss(x, y, ref["ema"])]
+        save(out, "reference.pt", ref)
+    finish(manager)
+
+
 class RecordOutputs:
     def __init__(self) -> None:
         self.dtypes: set[torch.dtype] = set()
@@ -435,7 +490,10 @@ def hsdp(out: Path) -> None:
     finish(manager)
 
 
-SCENARIOS = {f.__name__: f for f in (equivalence, accumulation, clipping, spike_skip, ema, bf16, fp16, hsdp)}
+SCENARIOS = {
+    f.__name__: f
+    for f in (equivalence, accumulation, clipping, spike_skip, ema, ema_without_reshard, bf16, fp16, hsdp)
+}
 
 
 def main(out_dir: Path, scenarios: list[str]) -> None:

@@ -51,7 +51,7 @@ def assert_close_to(params: list[torch.Tensor], reference: list[torch.Tensor], *
         torch.testing.assert_close(got, want, **({"rtol": RTOL, "atol": ATOL} | tolerance))
 
 
-SUITE = ("equivalence", "accumulation", "clipping", "spike_skip", "ema", "bf16", "fp16")
+SUITE = ("equivalence", "accumulation", "clipping", "spike_skip", "ema", "ema_without_reshard", "bf16", "fp16")
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +135,24 @@ def test_ema_of_a_sharded_model_stays_sharded_and_gathers_for_validation(suite: 
         torch.testing.assert_close(result["validation_loss"], reference["validation_loss"], rtol=RTOL, atol=ATOL)
         assert result["model_untouched_by_validation"]
     assert_same_across_ranks(list(results[0]["weights"].values()), list(results[1]["weights"].values()))
+
+
+def test_ema_validation_without_reshard_after_forward_leaves_training_alone(suite: Path) -> None:
+    """FSDP keeps gathered parameters after a forward with reshard_after_forward=False: the average's forward
+    must not leave its weights there for the next training step, nor run on the model's own gathered ones."""
+    out = suite / "ema_without_reshard"
+    results = ranks(out)
+    reference = load(out, "reference.pt")
+    for result in results:
+        assert_close_to(result["params"], reference["params"])  # validating at step 2 did not change training
+        assert len(result["validation_losses"]) == 2  # at steps 2 and 4
+        assert_close_to(result["validation_losses"], reference["validation_losses"])
+        assert result["left_gathered"]  # the case under test: the model's forward left its weights gathered
+        torch.testing.assert_close(
+            result["validation_loss_after_own_forward"], reference["validation_losses"][-1], rtol=RTOL, atol=ATOL
+        )
+        assert result["model_untouched_by_validation"]
+    assert_same_across_ranks(results[0]["params"], results[1]["params"])
 
 
 def test_fp16_loss_scaling_skips_the_same_steps_on_every_rank(suite: Path) -> None:
