@@ -11,9 +11,11 @@ The order of a stage's implementations is one rule, implemented here in
 
 Every registration path, the bus's own and pluggy's (``bus.pluggy.register``,
 ``unregister``, ``set_blocked``, entry-point loading), goes through one
-:class:`pluggy.PluginManager` subclass. After each change it puts pluggy's hook
-callers in that order (so ``bus.pluggy.hook.<stage>(ctx=ctx)`` calls what the bus
-calls, in the same order) and compiles one callable per stage:
+:class:`pluggy.PluginManager` subclass, and pluggy's ``register`` is routed to the
+bus's owner (a strategy's registry: the path of ``strategy.register_hook``). After
+each change it puts pluggy's hook callers in that order (so
+``bus.pluggy.hook.<stage>(ctx=ctx)`` calls what the bus calls, in the same order)
+and compiles one callable per stage:
 
 - no implementation: a constant function, no pluggy call at all;
 - plain implementations only: a tight loop over the bound functions, with the
@@ -28,17 +30,20 @@ Nothing is computed per call that could be computed at a change.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import itertools
 import os
 import sys
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, final
 
 import pluggy
 from pluggy import HookImpl, PluginManager
 
 from nvtrain import hookspecs
-from nvtrain.hook import DEFAULT_PRIORITY, check_priority, hook_label
+from nvtrain.hook import DEFAULT_PRIORITY, Hook, TrainingUpdateHook, check_priority, hook_label
 from nvtrain.hookspecs import PRIORITY_ATTRIBUTE, PROJECT_NAME
 from nvtrain.stages import REPLACEMENT_STAGES, TrainingStage
 
@@ -47,7 +52,7 @@ if TYPE_CHECKING:
 
     from nvtrain.context import TrainingContext
 
-__all__ = ["TRACE_ENV", "HookBus", "refuse_unmarked_stage_methods"]
+__all__ = ["TRACE_ENV", "HookBus", "Router", "refuse_unmarked_stage_methods"]
 
 #: Set to 1 to trace every hook call through pluggy's monitoring (to stderr).
 TRACE_ENV = "NVTRAIN_TRACE"
@@ -64,10 +69,14 @@ def _trace_switch() -> bool:
 StageCaller = Callable[["TrainingContext"], list[Any]]
 #: A compiled replacement slot (``firstresult``): the first non-``None`` result.
 SlotCaller = Callable[["TrainingContext"], Any]
+#: Where ``bus.pluggy.register(plugin, name)`` goes; returns the name the plugin got.
+Router = Callable[[object, str | None], str | None]
 
 _STAGE_NAMES = tuple(stage.hook_name for stage in TrainingStage)
 _STAGE_BY_NAME = {stage.hook_name: stage for stage in TrainingStage}
 _MARKER = PROJECT_NAME + "_impl"
+#: What an nvtrain plugin module lists its hook classes in (``nvtrain.plugins.HOOKS_ATTRIBUTE``).
+_HOOKS_ATTRIBUTE = f"__{PROJECT_NAME}_hooks__"
 
 
 def _no_results(ctx: Any) -> list[Any]:
@@ -98,31 +107,45 @@ class _BusPluginManager(pluggy.PluginManager):
     """pluggy's manager with nvtrain's registration checks and a change callback.
 
     Overrides only pluggy's public, documented methods; every way to add or remove
-    a plugin or a monitor ends in one of them.
+    a plugin or a monitor ends in one of them. pluggy's own way in (``register``:
+    ``bus.pluggy.register``, entry-point loading) is routed to the bus's owner, so it
+    gets the checks of ``strategy.register_hook``; the bus itself adds through :meth:`add`.
     """
 
-    def __init__(self, on_change: Callable[[], None]) -> None:
+    def __init__(self, on_change: Callable[[], None], route: Router) -> None:
         super().__init__(PROJECT_NAME)
         self.add_hookspecs(hookspecs)
         self._on_change = on_change
         self._sequence: dict[str, int] = {}
         self._counter = itertools.count()
         self.monitors = 0
+        self.route = route
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
+        """pluggy's entry, with pluggy's answers about names: a blocked one registers nothing, a taken one is refused."""
+        if name is not None and self.is_blocked(name):
+            return None
+        holder = None if name is None else self.get_plugin(name)
+        if holder is not None:
+            raise ValueError(f"plugin name {name!r} is already registered on this bus, by {hook_label(holder)}")
+        return self.route(plugin, name)
+
+    def add(self, plugin: object, name: str, label: str) -> str | None:
+        """Register ``plugin`` as ``name`` after nvtrain's checks; ``label`` names it in errors."""
         if isinstance(plugin, type):
             raise TypeError(f"register an instance, not the class {plugin.__qualname__}")
         check_priority(plugin)
         refuse_unmarked_stage_methods(plugin)
         _refuse_equal_twin(plugin, self.registered())
+        self._check_implementations(plugin, label)
         try:
             registered = super().register(plugin, name)
             self.check_pending()
         except pluggy.PluginValidationError as err:
-            if self.is_registered(plugin):
+            if self.holds(plugin):
                 super().unregister(plugin)
-            label = name or hook_label(plugin)
-            raise ValueError(f"plugin {label!r}: {err}. The stages are: {', '.join(_STAGE_NAMES)}") from err
+            reason = " ".join(str(err).split())
+            raise ValueError(f"plugin {label}: {reason}. The stages are: {', '.join(_STAGE_NAMES)}") from err
         if registered is None:  # a blocked name: pluggy registers nothing
             return None
         try:
@@ -133,6 +156,18 @@ class _BusPluginManager(pluggy.PluginManager):
         self._sequence[registered] = next(self._counter)
         self._on_change()
         return registered
+
+    def _check_implementations(self, plugin: object, label: str) -> None:
+        """Before pluggy sees them: every implementation names a known hook and can take what a stage passes."""
+        for attribute in dir(plugin):
+            opts = self.parse_hookimpl_opts(plugin, attribute)
+            if opts is None:
+                continue
+            hook_name = opts.get("specname") or attribute
+            if hook_name in _STAGE_BY_NAME:
+                _check_stage_signature(label, hook_name, attribute, getattr(plugin, attribute))
+            elif getattr(getattr(self.hook, hook_name, None), "spec", None) is None:
+                raise ValueError(_unknown_hook(label, attribute, hook_name, opts))
 
     def parse_hookimpl_opts(self, plugin: object, name: str) -> HookimplOpts | None:
         """pluggy's discovery, plus ``active_stages``: a plugin that declares it implements only those.
@@ -255,7 +290,7 @@ class HookBus:
     after_validation: StageCaller
 
     def __init__(self, *, trace: bool | None = None) -> None:
-        self._pm = _BusPluginManager(self._compile)
+        self._pm = _BusPluginManager(self._compile, self.register)
         self._tracing = _trace_switch() if trace is None else trace
         self._undo_tracing: Callable[[], None] | None = None
         self._compile()
@@ -274,25 +309,35 @@ class HookBus:
     def tracing(self) -> bool:
         return self._tracing
 
+    def route_pluggy(self, router: Router) -> None:
+        """Send ``bus.pluggy.register`` (and pluggy's entry-point loading) to ``router``.
+
+        A strategy's registry routes them to ``strategy.register_hook``'s path, so an
+        ``nvtrain.Hook`` or an update hook registered through pluggy joins the loop,
+        with the same checks, and is closed and saved like any other hook.
+        """
+        self._pm.route = router
+
     def register(self, plugin: object, name: str | None = None) -> str:
         """Add a plugin that implements at least one stage; returns the name it got.
 
         ``name`` labels the plugin in errors and traces (a plugin class's ``plugin_name``);
         when another plugin already holds it, a numeric suffix keeps it unique, so two
-        instances of one plugin class (two loggers, one EMA per model) can coexist.
+        instances of one plugin class (two loggers, one EMA per model) can coexist. A
+        blocked name (``bus.pluggy.set_blocked``) is refused. This is the bus's own way
+        in: a strategy's hooks come through ``strategy.register_hook`` (or ``bus.pluggy``).
         """
         if self._pm.holds(plugin):
             raise ValueError(f"plugin {hook_label(plugin)} is already registered on this strategy")
-        if not isinstance(plugin, type) and not _implements_a_stage(plugin):
-            raise TypeError(
-                f"plugin {hook_label(plugin)} implements no stage: give it a method named after a stage "
-                f"({', '.join(_STAGE_NAMES[:3])}, ...) marked @nvtrain.hookimpl, or subclass nvtrain.Hook "
-                "or nvtrain.TrainingUpdateHook"
-            )
-        unique = self._unique_name(name or f"{type(plugin).__qualname__}-{id(plugin):x}")
-        registered = self._pm.register(plugin, unique)
+        label = _label(plugin, name)
+        if not isinstance(plugin, type):
+            _refuse_without_stages(plugin, label)
+        base = name or f"{type(plugin).__qualname__}-{id(plugin):x}"
+        if self._pm.is_blocked(base):
+            raise ValueError(f"plugin {label}: the name {base!r} is blocked on this bus (bus.pluggy.set_blocked)")
+        registered = self._pm.add(plugin, self._unique_name(base), label)
         if registered is None:
-            raise ValueError(f"plugin name {unique!r} is blocked on this bus (bus.pluggy.set_blocked)")
+            raise ValueError(f"plugin {label}: its name is blocked on this bus (bus.pluggy.set_blocked)")
         return registered
 
     def unregister(self, plugin: object) -> None:
@@ -313,9 +358,9 @@ class HookBus:
         sequence = self._pm.sequence_of(name)
         self._pm.unregister(old)
         try:
-            self._pm.register(new, name)
+            self._pm.add(new, name, repr(name))
         except Exception:
-            self._pm.register(old, name)
+            self._pm.add(old, name, repr(name))
             self._pm.move(name, sequence)
             raise
         self._pm.move(name, sequence)
@@ -439,14 +484,14 @@ def _compile_plain(functions: tuple[Callable[[Any], Any], ...], firstresult: boo
 def _check_replacement_slots(pm: pluggy.PluginManager) -> None:
     for stage in REPLACEMENT_STAGES:
         owners = [
-            impl.plugin_name
+            hook_label(impl.plugin)
             for impl in getattr(pm.hook, stage.hook_name).get_hookimpls()
             if not (impl.wrapper or impl.hookwrapper)
         ]
         if len(owners) > 1:
             raise ValueError(
                 f"stage {stage.name} is a replacement slot with one owner, but "
-                f"{len(owners)} plugins implement it: {owners}. Observers use the BEFORE_/AFTER_ "
+                f"{len(owners)} plugins implement it: {', '.join(owners)}. Observers use the BEFORE_/AFTER_ "
                 "stages; a pluggy wrapper (wrapper=True) may wrap the slot."
             )
 
@@ -454,6 +499,88 @@ def _check_replacement_slots(pm: pluggy.PluginManager) -> None:
 def _implements_a_stage(plugin: object) -> bool:
     """Any attribute marked with @nvtrain.hookimpl (a misspelled one too: registration then names it)."""
     return any(hasattr(getattr(plugin, name, None), _MARKER) for name in dir(plugin) if not name.startswith("__"))
+
+
+def _label(plugin: object, name: str | None) -> str:
+    """How errors name a plugin: the name it asked for, else its class (and ``plugin_name``), or a module's name."""
+    if name:
+        return repr(name)
+    if isinstance(plugin, types.ModuleType):
+        return f"module {plugin.__name__!r}"
+    return hook_label(plugin)
+
+
+def _refuse_without_stages(plugin: object, label: str) -> None:
+    """A plugin with no marked method would never be called; say what would make it one."""
+    if _implements_a_stage(plugin):
+        return
+    if isinstance(plugin, (Hook, TrainingUpdateHook)):
+        kind = "a seed-style nvtrain.Hook" if isinstance(plugin, Hook) else "an update hook"
+        raise TypeError(
+            f"plugin {label} is {kind}, which this bus cannot run by itself: register it with "
+            "strategy.register_hook (or strategy.bus.pluggy.register), which puts it in the loop"
+        )
+    if isinstance(plugin, types.ModuleType) and hasattr(plugin, _HOOKS_ATTRIBUTE):
+        raise TypeError(
+            f"plugin {label} implements no stage: an nvtrain plugin module provides hook classes "
+            f"({_HOOKS_ATTRIBUTE}); build one with nvtrain.plugins.load(name) and register that"
+        )
+    raise TypeError(
+        f"plugin {label} implements no stage: give it a method named after a stage "
+        f"({', '.join(_STAGE_NAMES[:3])}, ...) marked @nvtrain.hookimpl, or subclass nvtrain.Hook "
+        "or nvtrain.TrainingUpdateHook"
+    )
+
+
+def _unknown_hook(label: str, attribute: str, hook_name: str, opts: Mapping[str, Any]) -> str:
+    """The one-line refusal of an implementation that names no stage (a typo, also under optionalhook)."""
+    close = difflib.get_close_matches(hook_name, _STAGE_NAMES, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    source = f", named by specname on method {attribute!r}," if hook_name != attribute else ""
+    optional = "; optionalhook=True does not make it a stage" if opts.get("optionalhook") else ""
+    return (
+        f"plugin {label}: unknown hook {hook_name!r}{source} is not a stage{hint}{optional}, so it would never "
+        f"be called. The stages are: {', '.join(_STAGE_NAMES)}"
+    )
+
+
+def _check_stage_signature(label: str, stage: str, attribute: str, function: Callable[..., Any]) -> None:
+    """pluggy passes a stage's ``ctx`` by position, and nothing else: refuse what could not take it."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    problem = _signature_problem(signature)
+    if problem is None:
+        return
+    bare = signature.replace(
+        parameters=[parameter.replace(annotation=parameter.empty) for parameter in signature.parameters.values()],
+        return_annotation=signature.empty,
+    )
+    where = attribute if attribute == stage else f"{attribute} (for {stage})"
+    raise ValueError(
+        f"plugin {label}: {where}{bare} cannot be called as stage {stage!r}: {problem}; "
+        f"expected ctx as its one parameter, positional and without a default (def {attribute}(self, ctx)), "
+        "or no parameter"
+    )
+
+
+def _signature_problem(signature: inspect.Signature) -> str | None:
+    """Why pluggy could not hand ``ctx`` to a function of this signature, or None when it can."""
+    parameters = list(signature.parameters.values())
+    problems = []
+    for parameter in parameters:
+        if parameter.kind is parameter.VAR_POSITIONAL:
+            problems.append(f"*{parameter.name} gets nothing")
+        elif parameter.kind is parameter.VAR_KEYWORD:
+            problems.append(f"**{parameter.name} gets nothing")
+        elif parameter.name != "ctx":
+            problems.append(f"{parameter.name!r} is not an argument of the stage")
+        elif parameter.kind is parameter.KEYWORD_ONLY:
+            problems.append("ctx is keyword-only, and pluggy passes it by position")
+        elif parameter.default is not parameter.empty:
+            problems.append("ctx has a default, so pluggy calls it without ctx")
+    return "; ".join(problems) or None
 
 
 def _refuse_equal_twin(plugin: object, registered: list[Any]) -> None:

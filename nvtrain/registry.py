@@ -1,8 +1,10 @@
 """Who is registered on a strategy: the bus's plugins and the orchestrator's update hooks.
 
-The three ways in (the constructor's ``hooks``, :meth:`HookRegistry.register` after it,
-update hooks composed with ``+``) end here, so there is one place that knows every
-hook, the order they came in and which of them hold resources to close.
+The ways in (the constructor's ``hooks``, :meth:`HookRegistry.register` after it,
+update hooks composed with ``+``, and ``bus.pluggy.register``, which the bus routes
+here) end here, so there is one place that knows every hook, the order they came in
+and which of them hold resources to close. What is registered is read from the bus
+and the orchestrator, so a plugin removed from the bus is neither saved nor closed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from nvtrain.hookspecs import PROJECT_NAME
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.stages import TrainingStage
 
-__all__ = ["HookRegistry"]
+__all__ = ["HookRegistry", "check_registration"]
 
 StageSelection = TrainingStage | Iterable[TrainingStage] | None
 
@@ -39,12 +41,13 @@ class HookRegistry:
     optimizers, an update hook registered later is bound before it joins.
     """
 
-    __slots__ = ("_binding", "_closables", "_orchestrator", "bus")
+    __slots__ = ("_binding", "_orchestrator", "_order", "bus")
 
     def __init__(self, hooks: Iterable[object] = ()) -> None:
         hooks = tuple(hooks)
         self.bus = HookBus()
-        self._closables: list[object] = []
+        #: Every hook given, in the order it came; :meth:`hooks` keeps those still registered.
+        self._order: list[object] = []
         self._binding: tuple[dict[str, torch.optim.Optimizer], dict[str, Any]] | None = None
         orchestrators = [h for h in hooks if isinstance(h, TrainingUpdateOrchestrator)]
         if len(orchestrators) > 1:
@@ -63,11 +66,12 @@ class HookRegistry:
         self.bus.register(self._orchestrator, TrainingUpdateOrchestrator.plugin_name)
         for hook in hooks:
             if isinstance(hook, TrainingUpdateOrchestrator):
-                self._closables.extend(hook.hooks)
+                self._order.extend(hook.hooks)
                 for inner in hook.hooks:
-                    self._observe(inner)
+                    self._observe(inner, None)
             else:
-                self._add(hook, None)
+                self._add(hook, None, None)
+        self.bus.route_pluggy(self._route)
 
     # -- what is registered ---------------------------------------------------------------------
 
@@ -82,7 +86,24 @@ class HookRegistry:
 
     def hooks(self) -> list[object]:
         """Every registered hook: the update hooks, then the others, each in registration order."""
-        return [*self._orchestrator.hooks, *(h for h in self._closables if not isinstance(h, TrainingUpdateHook))]
+        others = (h for h in self._registered() if not isinstance(h, TrainingUpdateHook))
+        return [*self._orchestrator.hooks, *others]
+
+    def _registered(self) -> list[object]:
+        """The hooks given, in registration order, that are still registered (each once)."""
+        present = {id(h) for h in self._orchestrator.hooks}
+        present.update(id(p.hook if isinstance(p, HookAdapter) else p) for p in self.bus.plugins())
+        seen: set[int] = set()
+        kept = []
+        for hook in self._order:
+            if id(hook) in present and id(hook) not in seen:
+                seen.add(id(hook))
+                kept.append(hook)
+        return kept
+
+    def _remember(self, hook: object) -> None:
+        """Note ``hook`` as registered last, forgetting hooks that were unregistered since."""
+        self._order = [*self._registered(), hook]
 
     def before_batch_voters(self) -> list[str]:
         """The plugins whose BEFORE_BATCH votes are counted, for an error message."""
@@ -92,13 +113,21 @@ class HookRegistry:
 
     def register(self, hook: object, stage: StageSelection = None) -> None:
         """Add ``hook``; an update hook is composed into a new orchestrator, checked before anything changes."""
+        self._register(hook, stage, None)
+
+    def _route(self, plugin: object, name: str | None) -> str:
+        """``bus.pluggy.register`` on this registry's bus: the path of :meth:`register`, under ``name``."""
+        return self._register(plugin, None, name)
+
+    def _register(self, hook: object, stage: StageSelection, name: str | None) -> str:
+        """Add ``hook`` (see :meth:`register`); returns its name on the bus, the orchestrator's for an update hook
+        that observes no stage."""
         if isinstance(hook, TrainingUpdateOrchestrator):
             raise ValueError(
                 "this strategy already has a TrainingUpdateOrchestrator; register its hooks one by one instead"
             )
         if not isinstance(hook, TrainingUpdateHook):
-            self._add(hook, stage)
-            return
+            return self._add(hook, stage, name)
         if stage is not None:
             raise ValueError(
                 f"update hook {hook_label(hook)}: passing stage=... is not supported for update hooks, "
@@ -109,50 +138,49 @@ class HookRegistry:
         new = self._orchestrator + hook  # composition errors surface before anything changes
         if self._binding is not None:
             new.bind(*self._binding)
-        observing = _has_hookimpls(hook)
-        if observing:
-            self.bus.register(hook, getattr(hook, "plugin_name", None))
-        else:
-            refuse_unmarked_stage_methods(hook)
+        observed = self._observe(hook, name)
         try:
             self.bus.replace(self._orchestrator, new)
         except Exception:
-            if observing:
+            if observed is not None:
                 self.bus.unregister(hook)
             raise
         self._orchestrator = new
-        self._closables.append(hook)
+        self._remember(hook)
+        return observed or TrainingUpdateOrchestrator.plugin_name
 
     def bind(self, optimizers: dict[str, torch.optim.Optimizer], per_step_schedulers: dict[str, Any]) -> None:
         """Give the orchestrator the optimizers and the schedulers it steps (also to later update hooks)."""
         self._binding = (optimizers, per_step_schedulers)
         self._orchestrator.bind(optimizers, per_step_schedulers)
 
-    def _add(self, hook: object, stage: StageSelection) -> None:
-        if isinstance(hook, TrainingUpdateHook):
+    def _add(self, hook: object, stage: StageSelection, name: str | None) -> str:
+        """Put an observer on the bus (an nvtrain.Hook through its adapter); returns the name it got."""
+        name = name or getattr(hook, "plugin_name", None)
+        if isinstance(hook, TrainingUpdateHook):  # the constructor's bare update hooks: already composed
             if stage is not None:
-                raise ValueError(
-                    f"update hook {hook_label(hook)}: passing stage=... is not supported for update hooks"
-                )
-            self._observe(hook)
+                raise ValueError(f"update hook {hook_label(hook)}: passing stage=... is not supported for update hooks")
+            registered = self._observe(hook, name) or TrainingUpdateOrchestrator.plugin_name
         elif isinstance(hook, Hook):
             stages = None if stage is None else ([stage] if isinstance(stage, (int, TrainingStage)) else stage)
-            self.bus.register(HookAdapter(hook, stages), getattr(hook, "plugin_name", None))
+            registered = self.bus.register(HookAdapter(hook, stages), name)
         elif stage is not None:
             raise ValueError(
                 f"plugin {hook_label(hook)}: stage=... applies to nvtrain.Hook instances; a pluggy plugin "
                 "declares its stages through its @nvtrain.hookimpl methods"
             )
         else:
-            self.bus.register(hook, getattr(hook, "plugin_name", None))
-        self._closables.append(hook)
+            registered = self.bus.register(hook, name)
+        self._remember(hook)
+        return registered
 
-    def _observe(self, hook: TrainingUpdateHook) -> None:
-        """An update hook may also observe stages through @hookimpl methods (all of them marked)."""
+    def _observe(self, hook: TrainingUpdateHook, name: str | None) -> str | None:
+        """An update hook may also observe stages through @hookimpl methods (all of them marked): then it is
+        a plugin on the bus as well, and its name there is returned."""
         if _has_hookimpls(hook):
-            self.bus.register(hook, getattr(hook, "plugin_name", None))
-        else:  # the bus checks the others; one with no mark at all would otherwise never be looked at
-            refuse_unmarked_stage_methods(hook)
+            return self.bus.register(hook, name or getattr(hook, "plugin_name", None))
+        refuse_unmarked_stage_methods(hook)  # the bus checks the others; unmarked, it would never be looked at
+        return None
 
     # -- closing --------------------------------------------------------------------------------
 
@@ -163,11 +191,7 @@ class HookRegistry:
         failures become notes on it; without, the first is raised with the others as notes.
         """
         errors: list[BaseException] = []
-        seen: set[int] = set()
-        for hook in reversed(self._closables):
-            if id(hook) in seen:
-                continue
-            seen.add(id(hook))
+        for hook in reversed(self._registered()):
             close = getattr(hook, "close", None)
             if callable(close):
                 try:
@@ -185,3 +209,11 @@ class HookRegistry:
         for failure in errors[1:]:
             first.add_note(f"another hook failed to close: {type(failure).__name__}: {failure}")
         raise first
+
+
+def check_registration(hook: object) -> None:
+    """Refuse now, with the strategy's message, what registering ``hook`` on a strategy would refuse.
+
+    Lets a config name the hook that is wrong (``hooks[2]``) rather than the stack; nothing is kept.
+    """
+    HookRegistry((hook,)).bus.close()

@@ -451,9 +451,8 @@ class TrainingStrategy:
         return group
 
     def _saves_checkpoints(self) -> bool:
-        return any(
-            isinstance(plugin, SavesCheckpoints) and not isinstance(plugin, type) for plugin in self.bus.plugins()
-        )
+        """Whether a registered hook writes checkpoints; the registry's hooks, so a seed-style one counts too."""
+        return any(isinstance(hook, SavesCheckpoints) and not isinstance(hook, type) for hook in self.registry.hooks())
 
     def _run_bounds(self) -> tuple[int | None, int | None]:
         config = self.step_scheduler
@@ -628,7 +627,7 @@ class TrainingStrategy:
         self._is_set_up = True
 
     def _materialisers(self) -> list[str]:
-        return [hook_label(p) for p in self.bus.plugins() if getattr(p, "materializes_meta_models", False)]
+        return [hook_label(h) for h in self.registry.hooks() if getattr(h, "materializes_meta_models", False)]
 
     def _refuse_unmaterialised(self, on_meta: Sequence[str]) -> None:
         """Before SETUP: models built on the meta device hold no weights, so a hook must materialise them."""

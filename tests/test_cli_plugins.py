@@ -129,9 +129,20 @@ def test_environment_controls_are_reported_under_the_table(
 
 
 def test_no_plugins_says_so(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NVTRAIN_PLUGINS", raising=False)
+    monkeypatch.setattr(nvtrain.plugins.REGISTRY, "records", lambda: ())  # nothing installed
+    assert _table(capsys) == ["No nvtrain plugins installed (entry-point group 'nvtrain')."]
+    assert json.loads("\n".join(_table(capsys, "--json"))) == []
+
+
+def test_an_empty_allow_list_says_it_hides_the_installed_plugins(
+    fake_plugins: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("NVTRAIN_PLUGINS", "")
-    assert _table(capsys)[0] == "No nvtrain plugins installed (entry-point group 'nvtrain')."
-    monkeypatch.setenv("NVTRAIN_PLUGINS", "")
+    lines = _table(capsys)
+    assert lines[0].startswith("No nvtrain plugin is visible: NVTRAIN_PLUGINS is set but empty, which hides every ")
+    assert "cli-broken" in lines[0] and "cli-good" in lines[0]
+    assert not any("No nvtrain plugins installed" in line for line in lines)
     assert json.loads("\n".join(_table(capsys, "--json"))) == []
 
 

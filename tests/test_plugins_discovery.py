@@ -185,6 +185,30 @@ def test_seed_style_hook_and_pluggy_class_are_described_with_wrappers_marked(goo
     assert (plain.kind, plain.stages, plain.settings) == ("pluggy", (), ("path", "verbose"))
 
 
+SPECNAME_SOURCE = """
+    import nvtrain
+
+
+    class Renamed:
+        @nvtrain.hookimpl(specname="after_batch")
+        def log_batch(self, ctx):
+            return None
+
+        @nvtrain.hookimpl(specname="do_backward", wrapper=True)
+        def time_backward(self, ctx):
+            return (yield)
+
+
+    __nvtrain_hooks__ = (Renamed,)
+"""
+
+
+def test_stages_implemented_through_specname_are_listed(site: FakeSite) -> None:
+    site.dist("nvtrain-fake-specname", {"fake-specname": site.module("specname", SPECNAME_SOURCE)})
+    (renamed,) = _listed("fake-specname").hooks
+    assert (renamed.stages, renamed.wrappers) == (("do_backward", "after_batch"), ("do_backward",))
+
+
 def test_available_builds_no_hook(good: str) -> None:
     # FakeWrapper.__init__ raises: listing must only read classes
     assert _listed("fake-good").ok

@@ -124,10 +124,17 @@ def load_plugin(
 
 
 def _construct(loaded: LoadedConfig, path: tuple[str | int, ...], name: str, build: Callable[[], Any]) -> Any:
+    """Build the hook at ``path`` and check it as the strategy will register it, so a refusal names this entry."""
+    from nvtrain.config import ConfigError
     from nvtrain.plugins import PluginError, PluginSettingsError
+    from nvtrain.registry import check_registration
 
     try:
-        return build()
+        hook = build()
+        check_registration(hook)
+        return hook
+    except ConfigError:
+        raise
     except PluginError as err:
         unknown = err.unknown if isinstance(err, PluginSettingsError) else ()
         raise loaded.error(str(err), (*path, unknown[0]) if unknown else path) from None
@@ -136,6 +143,8 @@ def _construct(loaded: LoadedConfig, path: tuple[str | int, ...], name: str, bui
     except (TypeError, ValueError) as err:  # a hook from elsewhere whose checks raise plain errors
         field = field_of(err)
         raise loaded.error(f"hook {name!r}: {err}", (*path, field) if field else path) from None
+    except Exception as err:  # its constructor failed otherwise (a device, a file): still one located line
+        raise loaded.error(f"hook {name!r}: building it raised {type(err).__name__}: {err}", path) from err
 
 
 def _default_outputs(cls: type, settings: dict[str, Any], run_dir: Path, name: str) -> dict[str, Any]:

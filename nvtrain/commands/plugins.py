@@ -37,10 +37,23 @@ def run(args: argparse.Namespace) -> int:
     if infos:
         print(format_table(COLUMNS, [row for info in infos for row in _rows(info)]))
     else:
-        print(f"No nvtrain plugins installed (entry-point group {plugins.ENTRY_POINT_GROUP!r}).")
+        print(_nothing_listed())
     for note in _notes(plugins.ALLOW_LIST_ENV, plugins.DISABLE_AUTOLOAD_ENV):
         print(note)
     return 0
+
+
+def _nothing_listed() -> str:
+    """Why the table is empty: nothing installed, or an empty allow-list hiding what is."""
+    from nvtrain import plugins
+
+    hidden = sorted({record.name for record in plugins.entry_points()})
+    if plugins.allow_list() is not None and hidden:
+        return (
+            f"No nvtrain plugin is visible: {plugins.ALLOW_LIST_ENV} is set but empty, which hides every installed "
+            f"plugin ({', '.join(hidden)}); unset it, or list the plugins to allow."
+        )
+    return f"No nvtrain plugins installed (entry-point group {plugins.ENTRY_POINT_GROUP!r})."
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -86,7 +99,7 @@ def _notes(allow_env: str, autoload_env: str) -> list[str]:
 
     notes = []
     allowed = allow_list()
-    if allowed is not None:
+    if allowed:  # set but empty: the headline already says so
         notes.append(f"{allow_env}={','.join(allowed)}: other installed plugins are hidden.")
     if autoload_disabled():
         notes.append(f"{autoload_env} is set: plugins were listed without importing them; load(name) still works.")

@@ -132,10 +132,17 @@ def required_settings(cls: type) -> tuple[str, ...]:
 
 
 def _marked_stages(cls: type) -> dict[TrainingStage, dict[str, Any]]:
+    """The stages the class's ``@nvtrain.hookimpl`` methods implement, by method name or ``specname=``."""
+    stages = {stage.hook_name: stage for stage in TrainingStage}
     marked = {}
-    for stage in TrainingStage:
-        opts = getattr(getattr(cls, stage.hook_name, None), _IMPL_MARKER, None)
-        if isinstance(opts, dict):
+    for attribute in dir(cls):
+        if attribute.startswith("__"):
+            continue
+        opts = getattr(getattr(cls, attribute, None), _IMPL_MARKER, None)
+        if not isinstance(opts, dict):
+            continue
+        stage = stages.get(opts.get("specname") or attribute)
+        if stage is not None:
             marked[stage] = opts
     return marked
 

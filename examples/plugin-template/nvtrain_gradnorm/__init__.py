@@ -37,7 +37,7 @@ def _metric_name(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> 
         raise ValueError(f"GradNormMonitor.{attribute.name} must be a non-empty string (got {value!r})")
 
 
-@attrs.define
+@attrs.define(eq=False)  # compared by identity: pluggy tells plugins apart with ==
 class GradNormMonitor:
     """Records the gradient norm of each real optimizer step; prints it every ``every`` steps.
 
