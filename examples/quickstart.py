@@ -19,7 +19,7 @@ from nvtrain.hooks import GradientAccumulationHook, GradientClippingHook, MixedP
 class PrintLoss:
     @nvtrain.hookimpl
     def after_optimizer_step(self, ctx):
-        if not ctx.step_skipped and ctx.step_count % 100 == 0:
+        if not ctx.step_skipped and ctx.step_count % 5 == 0:   # every 5th optimizer step
             print(ctx.step_count, ctx.loss.item())      # a logging step: the only host read
 
 strategy = nvtrain.TrainingStrategy(

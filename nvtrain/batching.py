@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import attrs
@@ -19,23 +19,71 @@ _PLAIN = (str, bytes, int, float, complex, type(None))
 
 
 def batch_size(batch: Any) -> int:
-    """Samples in a micro-batch: the first dimension of its first tensor.
+    """Samples in a micro-batch: the first dimension of its first tensor (1 for a scalar).
 
-    A tensor gives its first dimension (1 for a scalar); a mapping, a sequence, a
-    dataclass or an attrs instance gives its first value's size (0 for an empty
-    mapping); anything else counts as one sample.
+    The first tensor is searched for through the whole batch, depth first and in order
+    (a mapping's values, a sequence's items, a dataclass's or attrs instance's fields),
+    so the strings a default collate puts first (``(texts, targets)``) are passed over.
+    A batch with no tensor at all counts the ``len()`` of its first list (default
+    collate gathers a batch's strings in a list; a tuple groups fields), 0 for an empty
+    mapping or sequence; anything else counts as one sample.
     """
     if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        for value in batch.values():
-            return batch_size(value)
+        return _first_dimension(batch)
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):  # the common case, cheap
+        return _first_dimension(batch[0])
+    tensor = _first_tensor(batch)
+    if tensor is not None:
+        return _first_dimension(tensor)
+    return _size_without_tensor(batch)
+
+
+def _first_dimension(tensor: torch.Tensor) -> int:
+    return int(tensor.shape[0]) if tensor.dim() else 1
+
+
+def _children(value: Any) -> Iterable[Any]:
+    """The values a batch's container holds, in order; none for a tensor, a plain value or an unknown object."""
+    if isinstance(value, Mapping):
+        return value.values()
+    if isinstance(value, (tuple, list)):
+        return value
+    return (getattr(value, name) for name in _record_fields(value))
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor in ``value``, depth first; plain items (a list's strings) are skipped without a call each."""
+    if isinstance(value, torch.Tensor):
+        return value
+    for item in _children(value):
+        if isinstance(item, _PLAIN):
+            continue
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _first_list(value: Any) -> list[Any] | None:
+    """The first list in ``value``, depth first (``value`` itself if it is one)."""
+    if isinstance(value, list):
+        return value
+    for item in _children(value):
+        if isinstance(item, _PLAIN):
+            continue
+        found = _first_list(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _size_without_tensor(batch: Any) -> int:
+    """A tensor-free batch's size: its first list's length, 0 when it is an empty container, else 1."""
+    found = _first_list(batch)
+    if found is not None:
+        return len(found)
+    if isinstance(batch, (Mapping, tuple)) and not batch:
         return 0
-    if isinstance(batch, (tuple, list)) and batch:
-        return batch_size(batch[0])
-    fields = _record_fields(batch)
-    if fields:
-        return batch_size(getattr(batch, fields[0]))
     return 1
 
 

@@ -16,12 +16,16 @@ GPU: on a machine with one, the test still runs the gloo path it was written for
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -46,6 +50,11 @@ PORTS_VARIABLE = "NVTRAIN_TEST_PORTS"
 _TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: How much of a failed rank's output a failure message quotes (its end, where the traceback is).
 _OUTPUT_TAIL = 6000
+#: How much of each other rank's output a message quotes besides.
+_OTHER_TAIL = 2000
+#: How long the other ranks may still run once one failed before they are killed: time to fail on their own,
+#: with their own traceback, but a rank blocked in a collective with the failed one would wait far longer.
+_FAILURE_GRACE_S = 5.0
 
 
 class RanksFailed(AssertionError):
@@ -110,26 +119,136 @@ def kill_ranks(procs: Sequence[subprocess.Popen[str]]) -> None:
     """SIGKILL every rank still running (with whatever it started) and reap them: no handler runs."""
     for proc in procs:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_group(proc)
     for proc in procs:
         proc.wait(timeout=60)
 
 
-def wait_ranks(procs: Sequence[subprocess.Popen[str]], timeout_s: float) -> list[str]:
-    """Each rank's output once all exited with status 0.
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended (and was reaped) meanwhile
+        os.killpg(proc.pid, signal.SIGKILL)
 
-    :raises RanksFailed: when one did not (quoting the end of its output), or when they are
-        still running after ``timeout_s`` seconds (they are killed first).
+
+class _Watched:
+    """One rank being waited for: a thread drains its output as it comes (a rank blocked on a full pipe would
+    never finish) and another notes when it exits (so the rank that failed first is known)."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen[str]) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.exited_at: float | None = None
+        self.killed = False
+        self._exited = threading.Event()
+        self._chunks: list[bytes] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _read(self) -> None:
+        if self.proc.stdout is None:
+            return
+        fd = self.proc.stdout.fileno()
+        while chunk := os.read(fd, 65536):
+            self._chunks.append(chunk)
+
+    def _wait(self) -> None:
+        self.proc.wait()
+        self.exited_at = time.monotonic()
+        self._exited.set()
+
+    @property
+    def running(self) -> bool:
+        return not self._exited.is_set()
+
+    @property
+    def failed(self) -> bool:
+        return not self.running and self.proc.returncode != 0
+
+    def wait(self, timeout_s: float) -> None:
+        self._exited.wait(timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL the rank's process group if the rank still runs, and wait until it is reaped."""
+        if self.running:
+            self.killed = True
+            _kill_group(self.proc)
+        self._exited.wait(60)
+
+    def output(self) -> str:
+        """Everything the rank printed (its process group is gone, so the pipe ends)."""
+        self._reader.join(timeout=10)
+        if self.proc.stdout is not None and not self._reader.is_alive():
+            self.proc.stdout.close()
+        return b"".join(self._chunks).decode(errors="replace")
+
+
+def wait_ranks(procs: Sequence[subprocess.Popen[str]], timeout_s: float) -> list[str]:
+    """Each rank's output once all exited with status 0, within one ``timeout_s`` for all of them together.
+
+    The ranks' outputs are read as they come, so a rank that prints a lot never blocks.
+    Once a rank fails, the others get a few seconds to end (a rank waiting for it in a
+    collective never would) and are then killed, as torchrun does.
+
+    :raises RanksFailed: when one did not exit with status 0, quoting the end of the output of
+        the rank that failed first, then of every other failed or killed rank; or when they
+        are still running after ``timeout_s`` seconds (they are killed, and the end of each
+        rank's output is quoted).
     """
+    watched = [_Watched(rank, proc) for rank, proc in enumerate(procs)]
     try:
-        outputs = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
-    except subprocess.TimeoutExpired:
-        kill_ranks(procs)
-        raise RanksFailed(f"the ranks did not finish within {timeout_s:g} s") from None
-    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
-        if proc.returncode != 0:
-            raise RanksFailed(f"rank {rank} exited with status {proc.returncode}:\n{output[-_OUTPUT_TAIL:]}")
+        _wait_for_all_or_a_failure(watched, time.monotonic() + timeout_s)
+    finally:
+        for rank in watched:
+            rank.kill()
+    outputs = [rank.output() for rank in watched]
+    failed = sorted((rank for rank in watched if rank.failed and not rank.killed), key=_exit_time)
+    if failed:
+        raise RanksFailed(_failure_message(failed[0], watched, outputs))
+    if any(rank.killed for rank in watched):
+        raise RanksFailed(_timeout_message(timeout_s, watched, outputs))
     return outputs
+
+
+def _exit_time(rank: _Watched) -> float:
+    return rank.exited_at if rank.exited_at is not None else math.inf
+
+
+def _wait_for_all_or_a_failure(watched: Sequence[_Watched], deadline: float) -> None:
+    """Return when every rank exited, when ``deadline`` passed, or ``_FAILURE_GRACE_S`` after a rank failed."""
+    end = deadline
+    while running := [rank for rank in watched if rank.running]:
+        failures = [_exit_time(rank) for rank in watched if rank.failed]
+        if failures:
+            end = min(end, min(failures) + _FAILURE_GRACE_S)
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        running[0].wait(min(left, 0.1))
+
+
+def _failure_message(first: _Watched, watched: Sequence[_Watched], outputs: Sequence[str]) -> str:
+    """The first failed rank's status and output tail, then every other failed or killed rank's."""
+    parts = [f"rank {first.rank} exited with status {first.proc.returncode}:\n{outputs[first.rank][-_OUTPUT_TAIL:]}"]
+    for rank in sorted(watched, key=_exit_time):
+        if rank is first or not rank.failed:
+            continue
+        what = (
+            f"was killed, still running after rank {first.rank} failed"
+            if rank.killed
+            else f"exited with status {rank.proc.returncode} too"
+        )
+        parts.append(f"rank {rank.rank} {what}:\n{outputs[rank.rank][-_OTHER_TAIL:]}")
+    return "\n".join(parts)
+
+
+def _timeout_message(timeout_s: float, watched: Sequence[_Watched], outputs: Sequence[str]) -> str:
+    """Which ranks were still running at the deadline, and the end of each rank's output."""
+    late = ", ".join(f"rank {rank.rank}" for rank in watched if rank.killed)
+    parts = [f"the ranks did not finish within {timeout_s:g} s (still running: {late})"]
+    for rank in watched:
+        state = "was killed" if rank.killed else f"had exited with status {rank.proc.returncode}"
+        parts.append(f"rank {rank.rank} {state}:\n{outputs[rank.rank][-_OTHER_TAIL:]}")
+    return "\n".join(parts)
 
 
 def run_ranks(

@@ -10,7 +10,7 @@ import attrs
 import torch
 
 from nvtrain.hook import AveragesWeights, ProvidesAutocast
-from nvtrain.validators import optional_int_at_least, satisfies
+from nvtrain.validators import FieldTypeError, optional_int_at_least, refused, satisfies, strict_bool
 
 __all__ = ["ValidationConfig", "ValidationLoop", "validation_autocast", "validation_models"]
 
@@ -31,6 +31,29 @@ _epochs_none_or_auto = satisfies(
 )
 
 
+#: What ValidationConfig.metrics takes, as its errors say it.
+_METRICS_EXPECTED = (
+    "a dict of name -> callable fn(outputs, targets) -> tensor, e.g. {'accuracy': nvtrain.builtin.metrics.accuracy} "
+    "(names such as 'accuracy' are resolved by a config file's validation.metrics, not here)"
+)
+
+
+def _check_metrics(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A mapping of str names to callables, refused at construction rather than mid-run at the first validation."""
+    owner = type(instance).__name__
+    if not isinstance(value, Mapping) or not all(isinstance(name, str) for name in value):
+        raise refused(owner, attribute.name, value, _METRICS_EXPECTED, error=FieldTypeError)
+    for name, metric in value.items():
+        if not callable(metric):
+            expected = "callable as fn(outputs, targets) -> tensor"
+            message = (
+                f"{owner}.{attribute.name}[{name!r}] must be {expected} (got {metric!r}; names such as 'accuracy' "
+                "are resolved by a config file's validation.metrics: in Python pass the function, "
+                "e.g. nvtrain.builtin.metrics.accuracy)"
+            )
+            raise refused(owner, attribute.name, value, expected, message=message, error=FieldTypeError)
+
+
 @attrs.frozen
 class ValidationConfig:
     """When and how ``TrainingStrategy`` validates.
@@ -42,16 +65,19 @@ class ValidationConfig:
     ``val_every_steps`` and ``validate_on_checkpoint`` validate as well.
     ``use_mixed_precision``: ``"auto"`` follows the registered mixed-precision hook,
     ``True`` / ``False`` force it. ``use_ema``: evaluate the EMA weights when an EMA
-    hook is registered. ``metrics`` maps names to ``fn(outputs, targets) -> tensor``
-    (a per-batch mean).
+    hook is registered (True or False: ``"auto"`` is the config file's, which the CLI
+    resolves). ``metrics`` maps names to ``fn(outputs, targets) -> tensor`` (a
+    per-batch mean); names such as ``"accuracy"`` are resolved by the config file's
+    ``validation.metrics`` only: in Python pass the function
+    (``nvtrain.builtin.metrics.accuracy``). Both are checked when the config is built.
     """
 
     data: Iterable[Any] | None = None
     every_n_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     every_n_epochs: int | Literal["auto"] | None = attrs.field(default="auto", validator=_epochs_none_or_auto)
     use_mixed_precision: bool | Literal["auto"] = attrs.field(default="auto", validator=_true_false_or_auto)
-    use_ema: bool = False
-    metrics: Mapping[str, Metric] = attrs.field(factory=dict)
+    use_ema: bool = attrs.field(default=False, validator=strict_bool)
+    metrics: Mapping[str, Metric] = attrs.field(factory=dict, validator=_check_metrics)
 
     @property
     def epoch_interval(self) -> int | None:
@@ -68,7 +94,9 @@ class ValidationLoop:
     ``forward(models, batch) -> (outputs, targets, batch_size)`` and ``loss_fn(outputs,
     targets)`` come from the strategy; ``autocast`` is an explicit factory of a
     context manager (``contextlib.nullcontext`` for full precision). The summary's
-    loss and metrics are weighted by sample count and stay tensors.
+    loss and metrics are weighted by sample count and stay tensors. The models run in
+    ``eval()`` mode; afterwards every module gets its own mode back, so a submodule a
+    hook froze in ``eval()`` stays frozen.
     """
 
     forward: Callable[[Mapping[str, torch.nn.Module], Any], tuple[Any, Any, int]]
@@ -77,7 +105,7 @@ class ValidationLoop:
     metrics: Mapping[str, Metric] = attrs.field(factory=dict)
 
     def run(self, models: Mapping[str, torch.nn.Module], loader: Iterable[Any]) -> dict[str, Any]:
-        modes = {name: model.training for name, model in models.items()}
+        modes = _module_modes(models)
         for model in models.values():
             model.eval()
         totals: dict[str, torch.Tensor] = {}
@@ -95,13 +123,24 @@ class ValidationLoop:
                         totals[name] = totals[name] + weighted if name in totals else weighted
                     num_samples += size
         finally:
-            for name, model in models.items():
-                model.train(modes[name])
+            _restore_modes(modes)
         if num_samples == 0:
             raise ValueError("validation loader yielded no samples")
         summary: dict[str, Any] = {name: total / num_samples for name, total in totals.items()}
         summary["num_samples"] = num_samples
         return summary
+
+
+def _module_modes(models: Mapping[str, torch.nn.Module]) -> list[tuple[torch.nn.Module, bool]]:
+    """Every module's own mode, submodules included: a backbone frozen in ``eval()`` must stay so after a
+    validation, which ``model.train(mode)`` (it sets every child alike) would not keep."""
+    return [(module, module.training) for model in models.values() for module in model.modules()]
+
+
+def _restore_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
+    """Set each module's flag back as it was, one module at a time (never recursively)."""
+    for module, training in modes:
+        module.training = training
 
 
 # -- what a strategy's hooks contribute to a validation -------------------------------------------

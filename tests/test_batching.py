@@ -41,6 +41,12 @@ class FrozenRecord:
     x: torch.Tensor
 
 
+@dataclasses.dataclass
+class TextRecord:
+    text: list[str]
+    y: torch.Tensor
+
+
 @attrs.define
 class AttrsRecord:
     x: torch.Tensor
@@ -129,11 +135,63 @@ def test_a_read_only_mapping_becomes_a_dict() -> None:
         (Record(torch.ones(7, 2), "cat"), 7),
         (AttrsRecord(torch.ones(3), torch.ones(3)), 3),
         ("text", 1),
+        ((["a", "b", "c"], torch.ones(3, 1)), 3),  # default collate of (str, tensor) items: the strings come first
+        ({"text": ["a", "b"], "ids": {"input": torch.ones(2, 5)}}, 2),
+        ([("a", None), torch.ones(4)], 4),
+        (TextRecord(["a", "b"], torch.ones(2)), 2),
     ],
     ids=repr,
 )
 def test_the_batch_size_is_the_first_tensors_first_dimension(batch: Any, expected: int) -> None:
     assert batch_size(batch) == expected
+
+
+@pytest.mark.parametrize(
+    ("batch", "expected"),
+    [
+        (["a", "b", "c"], 3),
+        ((["a", "b"], ["c", "d"]), 2),  # a tuple groups fields: its first list counts the samples
+        ([("a", 1), ("b", 2), ("c", 3)], 3),  # an identity collate's list of samples
+        ({"text": ["a", "b", "c", "d"]}, 4),
+        ([], 0),
+        ((), 0),
+        ({}, 0),
+        (GraphBatch(x()), 1),
+    ],
+    ids=repr,
+)
+def test_a_batch_without_a_tensor_counts_its_first_list(batch: Any, expected: int) -> None:
+    assert batch_size(batch) == expected
+
+
+class Texts(torch.utils.data.Dataset[tuple[str, torch.Tensor]]):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> tuple[str, torch.Tensor]:
+        return f"sample {index}", torch.tensor([float(index)])
+
+
+class Constant(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, texts: list[str]) -> torch.Tensor:
+        return self.w.expand(len(texts), 1)
+
+
+def test_validation_weights_text_batches_by_their_samples() -> None:
+    loader = torch.utils.data.DataLoader(Texts(), batch_size=4)  # batches of 4, 4 and 2 samples
+    strategy = nvtrain.TrainingStrategy(
+        models=Constant(),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=torch.nn.functional.mse_loss,
+        device="cpu",
+    )
+    summary = strategy.validate(loader)
+    assert summary["num_samples"] == 10
+    assert summary["loss"].item() == pytest.approx(sum(i * i for i in range(10)) / 10)  # 28.5
 
 
 class BatchDevices:

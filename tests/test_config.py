@@ -133,6 +133,24 @@ def test_later_set_wins() -> None:
     assert config.seed == 7
 
 
+@pytest.mark.parametrize(
+    ("overrides", "got"),
+    [
+        ("trainer.max_steps=3", ", not a bare str (got 'trainer.max_steps=3')"),  # not one override per character
+        (3, " (got 3)"),
+        (["seed=1", 2], " (got 2 at index 1)"),
+    ],
+)
+def test_overrides_must_be_a_list_of_strings(overrides: Any, got: str) -> None:
+    expected = "a list of 'key.sub=value' strings, e.g. ['trainer.max_steps=3']"
+    with pytest.raises(TypeError) as info:
+        load_config(None, overrides)
+    assert str(info.value) == f"load_config() overrides must be {expected}{got}"
+    with pytest.raises(TypeError, match=r"^apply_overrides\(\) overrides must be a list"):
+        cfg.apply_overrides({}, overrides, {})
+    assert load_config(None, ("seed=7",)).config.seed == 7  # any sequence of str
+
+
 # -- errors: one line, the field, the place ------------------------------------------------------
 
 

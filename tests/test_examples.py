@@ -30,4 +30,7 @@ def test_the_quickstart_example_runs(monkeypatch: pytest.MonkeyPatch, capsys: py
     pytest.importorskip("nvtrain_ema")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the README's code picks its device: CPU here
     runpy.run_path(str(REPO / "examples" / "quickstart.py"), run_name="__main__")
-    assert "done: 18 optimizer steps over 3 epochs" in capsys.readouterr().out  # 23 batches / 4 -> 6 steps an epoch
+    out = capsys.readouterr().out
+    assert "done: 18 optimizer steps over 3 epochs" in out  # 23 batches / 4 -> 6 steps an epoch
+    printed = [line.split()[0] for line in out.splitlines() if re.fullmatch(r"\d+ \S+", line)]
+    assert printed == ["5", "10", "15"]  # PrintLoss prints, as the README shows it would

@@ -130,3 +130,76 @@ def test_full_tensors_copies_a_nested_state_off_its_tensors() -> None:
     weight.add_(1)  # the copy stays as it was
     assert torch.equal(copied["w"], torch.ones(2)) and copied["group"][0]["step"].item() == 3
     assert copied["group"][1] == 5 and copied["name"] == "x"
+
+
+def test_a_rank_printing_a_lot_does_not_block_the_others(tmp_path: Path) -> None:
+    """Rank 1 prints far more than a pipe holds before rank 0 may finish: every output is read as it comes."""
+    script = _script(
+        tmp_path,
+        textwrap.dedent(
+            f"""
+            import os, pathlib, time
+            done = pathlib.Path({str(tmp_path)!r}) / "printed"
+            if os.environ["RANK"] == "1":
+                for _ in range(3000):
+                    print("x" * 99, flush=True)
+                done.touch()
+            else:
+                while not done.exists():
+                    time.sleep(0.05)
+            print("rank", os.environ["RANK"], "done")
+            """
+        ),
+    )
+    outputs = run_ranks(script, timeout_s=30)
+    assert outputs[0].endswith("rank 0 done\n") and outputs[1].endswith("rank 1 done\n")
+    assert len(outputs[1]) > 300_000
+
+
+def test_the_rank_that_failed_first_is_quoted_first_and_a_blocked_peer_is_killed(tmp_path: Path) -> None:
+    """Rank 1 fails; rank 2 fails after it; rank 0 would wait for rank 1 for minutes (as in a collective)."""
+    script = _script(
+        tmp_path,
+        textwrap.dedent(
+            """
+            import os, sys, time
+            rank = os.environ["RANK"]
+            if rank == "1":
+                sys.exit("the real bug, on rank one")
+            if rank == "2":
+                time.sleep(1)
+                sys.exit("rank two gave up after rank one")
+            print("rank zero waits for rank one", flush=True)
+            time.sleep(120)
+            """
+        ),
+    )
+    started = time.monotonic()
+    with pytest.raises(RanksFailed) as caught:
+        run_ranks(script, nprocs=3, timeout_s=60)
+    assert time.monotonic() - started < 40  # killed after a grace, not at the time-out
+    message = str(caught.value)
+    assert message.startswith("rank 1 exited with status 1:\nthe real bug, on rank one")
+    assert "rank 2 exited with status 1 too:\nrank two gave up after rank one" in message
+    assert "rank 0 was killed, still running after rank 1 failed:\nrank zero waits for rank one" in message
+
+
+def test_one_deadline_for_all_ranks_and_each_ranks_output_on_a_time_out(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        textwrap.dedent(
+            """
+            import os, time
+            print("rank", os.environ["RANK"], "started", flush=True)
+            time.sleep(5 if os.environ["RANK"] == "0" else 120)
+            """
+        ),
+    )
+    started = time.monotonic()
+    with pytest.raises(RanksFailed) as caught:
+        run_ranks(script, timeout_s=7)
+    assert time.monotonic() - started < 10  # not 5 s for rank 0, then 7 more for rank 1
+    message = str(caught.value)
+    assert message.startswith("the ranks did not finish within 7 s (still running: rank 1)")
+    assert "rank 0 had exited with status 0:\nrank 0 started" in message
+    assert "rank 1 was killed:\nrank 1 started" in message

@@ -38,8 +38,13 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
 
     Under torchrun (``WORLD_SIZE > 1``) the process group is set up here and torn
     down at the end; only rank 0 writes the config, the metrics and the plot, and
-    prints. Construction errors raise :class:`~nvtrain.config.ConfigError` before
-    anything is written; a diverged run raises
+    prints. Every rank is seeded with ``seed`` while the model and data factories
+    run, so a factory drawing from the global generator (``random_split``) gives
+    every rank the same model and split; then rank ``r > 0`` with ``seed + r`` before
+    training, so dropout and augmentation differ per rank, while rank 0 draws on from
+    its stream as a single process does (a resume's checkpoint restores its saved
+    states later, in BEFORE_TRAINING). Construction errors raise
+    :class:`~nvtrain.config.ConfigError` before anything is written; a diverged run raises
     :class:`~nvtrain.errors.TrainingDivergedError`, once its curves are drawn (the
     loggers wrote its last steps when the strategy closed).
     """
@@ -58,8 +63,10 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
     try:
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
-        _seed_everything(config.seed + rank)
+        _seed_everything(config.seed)  # every rank builds the same model and the same data split
         built = build(plan, manager)
+        if rank > 0:  # per-rank draws in training; rank 0 goes on as a single process does
+            _seed_everything(config.seed + rank)  # (a resume restores its saved states after this)
         if built.resume_from is not None and built.run_length is not None and built.resume_step >= built.run_length:
             if rank == 0:
                 print(
@@ -131,6 +138,7 @@ def _saved_checkpoint(hooks: Sequence[object]) -> tuple[int, Path] | None:
 
 
 def _seed_everything(seed: int) -> None:
+    """Seed Python's, torch's (every device's) and numpy's global generators."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:

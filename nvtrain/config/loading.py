@@ -9,7 +9,7 @@ import attrs
 
 from nvtrain.config.converter import converter
 from nvtrain.config.errors import ConfigError, ConfigPath, describe
-from nvtrain.config.overrides import apply_overrides
+from nvtrain.config.overrides import apply_overrides, check_overrides
 from nvtrain.config.schema import RunConfig
 from nvtrain.config.source import parse_yaml, yaml_module
 from nvtrain.config.structure import structure_config
@@ -52,8 +52,11 @@ class LoadedConfig:
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> LoadedConfig:
     """Read ``path`` (the built-in config when None), apply ``--set`` overrides, structure it.
 
-    Raises :class:`ConfigError` for anything wrong, with its location.
+    ``overrides`` is a list of ``key.sub=value`` strings (``["trainer.max_steps=3"]``);
+    a bare str raises ``TypeError`` rather than be split into characters. Raises
+    :class:`ConfigError` for anything wrong in the config, with its location.
     """
+    check_overrides(overrides, "load_config")
     if path is None:
         from nvtrain.builtin import default_config_text
 

@@ -8,12 +8,32 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from nvtrain.config.errors import ConfigError, ConfigPath, describe
 from nvtrain.config.source import parse_yaml
+from nvtrain.validators import FieldTypeError, refused
 
-__all__ = ["apply_overrides"]
+__all__ = ["apply_overrides", "check_overrides"]
+
+_OVERRIDES_EXPECTED = "a list of 'key.sub=value' strings, e.g. ['trainer.max_steps=3']"
+
+
+def check_overrides(overrides: Any, function: str) -> None:
+    """Refuse anything but a sequence of str, a bare str above all: iterated, it would be one override per
+    character (``--set t: expected ...``)."""
+    if isinstance(overrides, str):
+        _refuse_overrides(overrides, function, f", not a bare str (got {overrides!r})")
+    if not isinstance(overrides, Sequence):
+        _refuse_overrides(overrides, function, f" (got {overrides!r})")
+    for index, item in enumerate(overrides):
+        if not isinstance(item, str):
+            _refuse_overrides(overrides, function, f" (got {item!r} at index {index})")
+
+
+def _refuse_overrides(overrides: Any, function: str, got: str) -> NoReturn:
+    message = f"{function}() overrides must be {_OVERRIDES_EXPECTED}{got}"
+    raise refused(function, "overrides", overrides, _OVERRIDES_EXPECTED, message=message, error=FieldTypeError)
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str], locations: dict[ConfigPath, str]) -> dict[str, Any]:
@@ -21,8 +41,10 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str], locations: d
 
     List items are addressed by index (``hooks.0.decay``) or, for hooks, by name
     (``hooks.ema.decay``). Missing sections are created; unknown keys are caught
-    when the result is structured, with the ``--set`` argument as location.
+    when the result is structured, with the ``--set`` argument as location. A bare
+    str is refused with a ``TypeError``: pass ``[override]``.
     """
+    check_overrides(overrides, "apply_overrides")
     for override in overrides:
         where = f"--set {override}"
         key, sep, raw = override.partition("=")

@@ -337,7 +337,13 @@ class RunConfig:
     output_dir: str = attrs.field(
         default="runs", validator=_non_empty, metadata=_doc("Parent folder of run directories.")
     )
-    seed: int = attrs.field(default=0, metadata=_doc("Seeds torch, numpy and random (each rank adds its rank)."))
+    seed: int = attrs.field(
+        default=0,
+        metadata=_doc(
+            "Seeds torch, numpy and random: every rank with `seed` while the model and data are built (the same "
+            "weights and split), then rank r > 0 with `seed + r` for training (rank 0 draws on)."
+        ),
+    )
     device: str = attrs.field(
         default="auto",
         metadata=_doc("`auto` (cuda:LOCAL_RANK when CUDA is available, else cpu), `cpu`, `cuda`, `cuda:1`..."),

@@ -218,7 +218,11 @@ def patched(model_keys: Any, make_strategy: MakeStrategy) -> tuple[nvtrain.Train
     hook = ModulePatchHook(patches={"head": lambda old: torch.nn.Linear(old.in_features, 5)}, model_keys=model_keys)
     sgd = functools.partial(torch.optim.SGD, lr=0.1)
     strategy = make_strategy(
-        [hook], models={"a": headed_model(), "b": headed_model()}, optimizers={"a": sgd, "b": sgd}, device="cpu"
+        [hook],
+        models={"a": headed_model(), "b": headed_model()},
+        optimizers={"a": sgd, "b": sgd},
+        forward_fn=lambda ctx: ctx.models["a"](ctx.batch[0]),  # no "main" model for the default forward
+        device="cpu",
     )
     return strategy, hook
 

@@ -162,9 +162,11 @@ class FSDPHook(ShardsTrainLoader):
 
     Mixed precision: ``param_dtype`` / ``reduce_dtype`` form FSDP's ``MixedPrecisionPolicy``
     (parameters all-gathered and computed in ``param_dtype``, gradients reduce-scattered in
-    ``reduce_dtype``, shards and optimizer state kept in float32). It is refused together
-    with the amp plugin's autocast (a second cast of the same forward), and the amp
-    plugin's fp16 loss scaling is refused under FSDP altogether.
+    ``reduce_dtype``, shards and optimizer state kept in float32; float16 is refused there,
+    as it needs loss scaling). A ``param_dtype`` is refused together with the amp plugin's
+    autocast (a second cast of the same forward). The amp plugin alone (``param_dtype=None``)
+    works in bf16 and in fp16: its fp16 loss scaling uses torch's ``ShardedGradScaler``,
+    whose inf/NaN check every rank shares.
 
     In a single process (no process group and ``WORLD_SIZE`` at most 1) the hook does
     nothing, so one script runs under ``python`` and ``torchrun`` alike.
