@@ -117,7 +117,7 @@ class CheckpointHook:
     #: The resume decision for the run about to start (``resume_checkpoint``), so its warnings print once;
     #: that run's BEFORE_TRAINING consumes it.
     _resume_choice: tuple[Any, Path | None, frozenset[str]] | None = attrs.field(init=False, default=None, repr=False)
-    #: Checkpoints the run's resume found corrupt and passed over: retention does not count them.
+    #: Checkpoints the run's resume found corrupt and passed over: its first save sets them aside.
     _passed_over: frozenset[str] = attrs.field(init=False, default=frozenset(), repr=False)
     #: Saves of models sharded with FSDP (DTensor parameters): one DCP checkpoint written by every rank.
     _sharded: sharded.ShardedSaver = attrs.field(init=False, factory=sharded.ShardedSaver, repr=False)
@@ -383,6 +383,9 @@ class CheckpointHook:
         if step == self._saved_step and not again:
             return
         self._saved_step = step
+        # the run's first save sets aside what its resume found corrupt; later ones must not (a step
+        # saved again since, replacing the corrupt one, is intact)
+        passed_over, self._passed_over = self._passed_over, frozenset()
         if sharded.models_are_sharded(ctx):
             self._writer.wait()  # this rank's part of the previous save is complete before the next
             self._sharded.save(
@@ -391,7 +394,7 @@ class CheckpointHook:
                 step,
                 self._metadata(ctx),
                 keep_last_n=self.keep_last_n,
-                passed_over=self._passed_over,
+                passed_over=passed_over,
                 async_save=self.async_save,
                 rank_zero_only=self.rank_zero_only,
                 submit=self._writer.submit,
@@ -419,7 +422,7 @@ class CheckpointHook:
             if self.async_save and self._in_process_writer():
                 staged = self._stager.stage(state)  # into shared memory, for the writer process
                 job = functools.partial(
-                    self._writer_process().save, staged, root, step, metadata, self.keep_last_n, self._passed_over
+                    self._writer_process().save, staged, root, step, metadata, self.keep_last_n, passed_over
                 )
             else:
                 copied = snapshot(state, reuse=self._reusable, copy_host=self.async_save)
@@ -435,7 +438,7 @@ class CheckpointHook:
                     metadata,
                     self.keep_last_n,
                     discard=discard,
-                    passed_over=self._passed_over,
+                    passed_over=passed_over,
                 )
             if self.async_save:
                 task = f"writing {storage.checkpoint_name(step)} in the background (async_save=True)"
@@ -604,7 +607,7 @@ def _distributed(ctx: nvtrain.TrainingContext) -> bool:
 
 def _agree(ctx: nvtrain.TrainingContext, root: Path, found: Path | None, shared: bool) -> Path | None:
     """Make every rank resume from the same step (one all_reduce)."""
-    step = -1 if found is None else int(found.name.removeprefix("step_"))
+    step = -1 if found is None else storage.checkpoint_step(found)
     device = ctx.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
     both = torch.tensor([step, -step], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
@@ -620,7 +623,7 @@ def _agree(ctx: nvtrain.TrainingContext, root: Path, found: Path | None, shared:
         raise storage.CheckpointError(
             f"some ranks have no complete checkpoint under {root.parent} while others reach step {highest}"
         )
-    chosen = root / storage.checkpoint_name(lowest)
+    chosen = storage.checkpoint_path(root, storage.checkpoint_name(lowest))
     if not (chosen / storage.MANIFEST_NAME).is_file():
         raise storage.CheckpointError(f"{chosen} is missing on rank {ctx.rank}; the ranks cannot agree on a step")
     return chosen

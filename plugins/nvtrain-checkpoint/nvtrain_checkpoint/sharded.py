@@ -331,7 +331,8 @@ def _finish(
             raise
         storage.publish(tmp, final)
         storage.write_latest(root, final.name)
-        storage.apply_retention(root, keep_last_n, discard=discard, passed_over=passed_over)
+        storage.set_aside(root, set(passed_over) - {final.name})
+        storage.apply_retention(root, keep_last_n, discard=discard)
     dist.barrier(group=group)  # no rank goes on (or reads the checkpoint) before rank 0 published it
     return final
 

@@ -58,6 +58,8 @@ class Copier:
         #: What was taken for each view (storage, offset, shape, strides, dtype): tied weights reach a
         #: state as distinct tensor objects (``state_dict()`` detaches each key anew) over one storage.
         self.views: dict[tuple[Any, ...], Any] = {}
+        #: The storages (addresses) of the buffers this snapshot copied into: a buffer of the previous
+        #: snapshot is reused only if its storage is not one of them (an alias views another's storage).
         self.taken: set[int] = set()
         self.devices: set[torch.device] = set()
 
@@ -129,14 +131,15 @@ class Copier:
             copy.copy_(source, non_blocking=True)
         else:
             copy = source.to("cpu", copy=True)
-        self.taken.add(id(copy))
+        self.taken.add(copy.untyped_storage().data_ptr())
         return copy
 
     def _fits(self, previous: Any, source: torch.Tensor, on_host: bool) -> bool:
         """Can ``previous`` (a buffer of an earlier snapshot) take ``source``'s values as they are?"""
         return (
             isinstance(previous, torch.Tensor)
-            and id(previous) not in self.taken  # two sources must never land in one buffer
+            # two sources must never land in one buffer, nor in two views of one (tied weights untied since)
+            and previous.untyped_storage().data_ptr() not in self.taken
             and previous.device.type == "cpu"
             and previous.dtype == source.dtype
             and previous.shape == source.shape

@@ -75,6 +75,8 @@ STATE_NAME = "state.pt"
 LATEST_NAME = "latest"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+#: A checkpoint a resume found corrupt, kept for inspection out of the ``step_<N>`` names (see :func:`set_aside`).
+CORRUPT_PREFIX = ".corrupt-"
 #: A complete checkpoint moved aside while a new one of the same step takes its name (see :func:`publish`).
 REPLACED_PREFIX = ".replaced-"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -135,8 +137,8 @@ def save_checkpoint(
 
     ``state`` must already be a snapshot (host tensors nobody mutates). ``metadata``
     goes into the manifest next to the format version, step and file digests.
-    ``discard`` receives the checkpoints retention retired, ``passed_over`` names the
-    ones a resume found corrupt (see :func:`apply_retention`).
+    ``discard`` receives the checkpoints retention retired (see :func:`apply_retention`);
+    ``passed_over`` names the ones a resume found corrupt, set aside first (:func:`set_aside`).
     Returns the published directory.
     """
     root = Path(root)
@@ -160,7 +162,8 @@ def save_checkpoint(
         raise
     final = publish(tmp, root / name)
     write_latest(root, name)
-    apply_retention(root, keep_last_n, discard=discard, passed_over=passed_over)
+    set_aside(root, set(passed_over) - {name})
+    apply_retention(root, keep_last_n, discard=discard)
     return final
 
 
@@ -266,25 +269,38 @@ def retire(path: Path) -> Path:
     return trash
 
 
-def apply_retention(
-    root: Path, keep_last_n: int | None, *, discard: Discard = delete_trash, passed_over: Collection[str] = ()
-) -> list[Path]:
+def set_aside(root: Path, corrupt: Collection[str]) -> list[Path]:
+    """Rename the checkpoints ``corrupt`` names (``step_<N>``, found corrupt by a resume) to
+    ``.corrupt-step_<N>-<hex>``; return the new paths.
+
+    Out of the ``step_<N>`` names they are never resumed from nor warned about again, and
+    retention neither counts them (a corrupt one must not rotate an intact one out) nor
+    deletes them: they stay for inspection until somebody deletes them.
+    """
+    moved = []
+    for name in sorted(corrupt):
+        path = root / name
+        if _STEP_DIR.match(name) and path.is_dir():
+            target = root / f"{CORRUPT_PREFIX}{name}-{uuid.uuid4().hex}"
+            os.rename(path, target)
+            moved.append(target)
+    if moved:
+        fsync_dir(root)
+    return moved
+
+
+def apply_retention(root: Path, keep_last_n: int | None, *, discard: Discard = delete_trash) -> list[Path]:
     """Keep the ``keep_last_n`` complete checkpoints with the highest steps, the one ``latest`` names, and
     the newest healthy one (its step's loss was finite) when none of those is healthy; return the others.
 
     A run whose loss turned NaN keeps saving unhealthy checkpoints; without the healthy
-    rule they would rotate the last good one out. ``passed_over`` names checkpoints a
-    resume found corrupt: they do not count among the ``keep_last_n`` (a corrupt one must
-    not rotate an intact one out), and are deleted once older than every kept one. The
-    dropped checkpoints are renamed out of sight (one directory fsync for all of them)
-    before ``discard`` gets their new names: deleted now by default, or later by whoever
-    ``discard`` hands them to.
+    rule they would rotate the last good one out. The dropped checkpoints are renamed out
+    of sight (one directory fsync for all of them) before ``discard`` gets their new
+    names: deleted now by default, or later by whoever ``discard`` hands them to.
     """
     if keep_last_n is None:
         return []
-    found = list_checkpoints(root)
-    corrupt = set(passed_over)
-    complete = [info for info in found if info.path.name not in corrupt]
+    complete = list_checkpoints(root)
     pointed = _read_pointer(root)
     kept = complete[-keep_last_n:]
     if not any(is_healthy(info.path) for info in kept):
@@ -292,13 +308,11 @@ def apply_retention(
         if healthy:
             kept = [healthy[-1], *kept]
     keep = {info.path.name for info in kept}
-    oldest_kept = min((info.step for info in kept), default=-1)
     removed = [
         info.path
-        for info in found
+        for info in complete
         if info.path.name not in keep
         and info.path.name != pointed
-        and not (info.path.name in corrupt and info.step > oldest_kept)  # left for inspection, not counted
         and not info.path.name.startswith(REPLACED_PREFIX)  # an interrupted replacement: the next save puts it back
     ]
     if removed:
@@ -356,6 +370,15 @@ def _parked_checkpoints(root: Path) -> dict[str, Path]:
     return parked
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of the checkpoint directory ``path``: ``step_<N>``, or its parked copy ``.replaced-step_<N>-<hex>``."""
+    match = _STEP_DIR.match(path.name) or _REPLACED_DIR.match(path.name)
+    if match is None:
+        raise CheckpointError(f"{path} is not a checkpoint directory (step_<N>)")
+    name = match.group(1)
+    return int(name.removeprefix("step_"))
+
+
 def checkpoint_path(root: Path, name: str) -> Path:
     """Where the checkpoint ``name`` (``step_<N>``) of ``root`` is: its own directory, or its parked copy."""
     own = root / name
@@ -409,6 +432,8 @@ def resolve_checkpoint(path: str | os.PathLike[str], rank: int | None = None) ->
         raise CheckpointError(
             f"{path} is a file: an nvtrain checkpoint is a directory holding {MANIFEST_NAME} and {STATE_NAME}"
         )
+    if not path.exists() and _STEP_DIR.match(path.name):
+        path = checkpoint_path(path.parent, path.name)  # its parked copy, while an interrupted replacement left one
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {path}: it does not exist")
     if (path / MANIFEST_NAME).is_file():

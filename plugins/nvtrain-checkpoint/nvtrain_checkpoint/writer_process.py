@@ -131,7 +131,7 @@ class WriterProcess:
     ) -> Path:
         """Have the writer save ``staged`` as ``root/step_<step>``; block until it is published (or failed).
 
-        ``keep_last_n`` and ``passed_over`` are retention's (see :func:`~nvtrain_checkpoint.storage.apply_retention`).
+        ``keep_last_n`` and ``passed_over`` are as :func:`~nvtrain_checkpoint.storage.save_checkpoint` takes them.
         """
         label = f"step_{step}"
         self._busy = True

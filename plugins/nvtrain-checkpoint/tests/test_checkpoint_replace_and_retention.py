@@ -14,6 +14,7 @@ import attrs
 import pytest
 import torch
 from nvtrain_checkpoint import CheckpointHook, latest_checkpoint, list_checkpoints, save_checkpoint, storage
+from nvtrain_checkpoint.snapshot import snapshot
 from nvtrain_checkpoint.staging import shared_memory_supported
 
 import nvtrain
@@ -78,6 +79,13 @@ def test_auto_resume_after_a_kill_between_the_renames_continues_from_the_parked_
     hook = CheckpointHook(killed_between_renames, resume="auto")
     chosen = hook.resume_checkpoint()
     assert chosen is not None and chosen.name.startswith(f"{storage.REPLACED_PREFIX}step_2-")
+    assert storage.checkpoint_step(chosen) == 2
+
+
+def test_an_explicit_path_of_a_parked_checkpoint_resolves_to_it(killed_between_renames: Path) -> None:
+    resolved = storage.resolve_checkpoint(killed_between_renames / "step_2")
+    assert resolved.name.startswith(f"{storage.REPLACED_PREFIX}step_2-")
+    assert torch.equal(_weight(resolved), torch.full((2, 3), 2.0))
 
 
 def test_the_next_save_puts_a_parked_checkpoint_back_before_removing_leftovers(killed_between_renames: Path) -> None:
@@ -111,14 +119,29 @@ def _corrupt(directory: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_retention_does_not_count_checkpoints_passed_over_as_corrupt(tmp_path: Path) -> None:
+def _set_aside(root: Path) -> list[str]:
+    return sorted(
+        entry.name.rsplit("-", 1)[0] for entry in root.iterdir() if entry.name.startswith(storage.CORRUPT_PREFIX)
+    )
+
+
+def test_a_save_sets_aside_what_the_resume_passed_over_as_corrupt(tmp_path: Path) -> None:
     for step in (2, 4, 6):
         _save(tmp_path, step, keep_last_n=3)
     _corrupt(tmp_path / "step_6")
     _save(tmp_path, 7, keep_last_n=2, passed_over={"step_6"})
-    assert [info.step for info in list_checkpoints(tmp_path)] == [4, 6, 7]  # step_6 left for inspection
-    _save(tmp_path, 8, keep_last_n=2, passed_over={"step_6"})
-    assert [info.step for info in list_checkpoints(tmp_path)] == [7, 8]  # older than every kept one: deleted
+    assert [info.step for info in list_checkpoints(tmp_path)] == [4, 7]  # step_6 did not count
+    assert _set_aside(tmp_path) == [".corrupt-step_6"]  # kept for inspection, out of the step_<N> names
+    _save(tmp_path, 8, keep_last_n=2)
+    assert [info.step for info in list_checkpoints(tmp_path)] == [7, 8]
+    assert _set_aside(tmp_path) == [".corrupt-step_6"]  # retention never deletes it
+
+
+def test_a_save_of_the_passed_over_step_itself_replaces_it(tmp_path: Path) -> None:
+    _save(tmp_path, 6)
+    _corrupt(tmp_path / "step_6")
+    _save(tmp_path, 6, passed_over={"step_6"})
+    assert _set_aside(tmp_path) == [] and torch.equal(_weight(tmp_path / "step_6"), torch.full((2, 3), 6.0))
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -129,14 +152,28 @@ def test_a_resumed_run_keeps_keep_last_n_intact_checkpoints_beside_a_corrupt_one
     _corrupt(tmp_path / "step_6")
     second = CheckpointHook(tmp_path, step_interval=4, keep_last_n=2, resume="auto", async_save=async_save)
     _train(driver, second, max_steps=7)  # resumes at step 3, saves 4 and 7
+    assert _intact(tmp_path) == [4, 7] and _set_aside(tmp_path) == [".corrupt-step_6"]
+    third = CheckpointHook(tmp_path, step_interval=4, keep_last_n=2, resume="auto", async_save=async_save)
+    _train(driver, third, max_steps=9)  # resumes at step 7 (no warning about step_6 now), saves 8 and 9
+    assert _intact(tmp_path) == [8, 9] and _set_aside(tmp_path) == [".corrupt-step_6"]
+
+
+def test_a_step_saved_again_after_its_corrupt_copy_was_set_aside_is_kept(tmp_path: Path, driver: ModuleType) -> None:
+    _train(driver, CheckpointHook(tmp_path, step_interval=3), max_steps=6)
+    _corrupt(tmp_path / "step_6")
+    _train(driver, CheckpointHook(tmp_path, step_interval=3, resume="auto"), max_steps=9)  # saves 6 again, then 9
+    assert _intact(tmp_path) == [3, 6, 9]
+
+
+def _intact(root: Path) -> list[int]:
     intact = []
-    for info in list_checkpoints(tmp_path):
+    for info in list_checkpoints(root):
         try:
             storage.verify_checkpoint(info.path)
         except storage.CheckpointError:
             continue
         intact.append(info.step)
-    assert intact == [4, 7]
+    return intact
 
 
 # -- checkpoint_dir that is a file -------------------------------------------------------------------
@@ -208,3 +245,11 @@ def test_tied_weights_are_written_once_and_every_writer_writes_the_same_bytes(tm
             == weights["decode.weight"].untyped_storage().data_ptr()
         ), name
     assert len(set(digests.values())) == 1, digests
+
+
+def test_a_buffer_reused_after_tied_weights_were_untied_takes_only_its_own_values() -> None:
+    shared = torch.zeros(4)
+    tied = snapshot({"encode": shared, "decode": shared.view_as(shared)}, copy_host=True)
+    untied = {"encode": torch.full((4,), 1.0), "decode": torch.full((4,), 2.0)}
+    again = snapshot(untied, reuse=tied, copy_host=True)
+    assert torch.equal(again["encode"], untied["encode"]) and torch.equal(again["decode"], untied["decode"])
