@@ -36,7 +36,7 @@ import itertools
 import os
 import sys
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, final
 
 import pluggy
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
     from nvtrain.context import TrainingContext
 
-__all__ = ["TRACE_ENV", "HookBus", "Router", "refuse_unmarked_stage_methods"]
+__all__ = ["TRACE_ENV", "HookBus", "Releaser", "Router", "refuse_unmarked_stage_methods"]
 
 #: Set to 1 to trace every hook call through pluggy's monitoring (to stderr).
 TRACE_ENV = "NVTRAIN_TRACE"
@@ -71,6 +71,8 @@ StageCaller = Callable[["TrainingContext"], list[Any]]
 SlotCaller = Callable[["TrainingContext"], Any]
 #: Where ``bus.pluggy.register(plugin, name)`` goes; returns the name the plugin got.
 Router = Callable[[object, str | None], str | None]
+#: Told, before the bus lets a user's object go (``unregister``, ``set_blocked``), which one: raises to keep it.
+Releaser = Callable[[object], None]
 
 _STAGE_NAMES = tuple(stage.hook_name for stage in TrainingStage)
 _STAGE_BY_NAME = {stage.hook_name: stage for stage in TrainingStage}
@@ -110,6 +112,11 @@ class _BusPluginManager(pluggy.PluginManager):
     a plugin or a monitor ends in one of them. pluggy's own way in (``register``:
     ``bus.pluggy.register``, entry-point loading) is routed to the bus's owner, so it
     gets the checks of ``strategy.register_hook``; the bus itself adds through :meth:`add`.
+
+    Where pluggy holds a stand-in for the user's object (an ``nvtrain.Hook``'s adapter),
+    the name maps to that object (``fronts``), and pluggy's queries by name or plugin
+    (``get_plugin``, ``get_name``, ``is_registered``, ``unregister``, ...) answer with it,
+    so ``pm.unregister(pm.register(hook))``-style code round-trips for every kind of hook.
     """
 
     def __init__(self, on_change: Callable[[], None], route: Router) -> None:
@@ -118,8 +125,11 @@ class _BusPluginManager(pluggy.PluginManager):
         self._on_change = on_change
         self._sequence: dict[str, int] = {}
         self._counter = itertools.count()
+        #: name -> the user's object, for names under which pluggy holds a stand-in for it.
+        self._fronts: dict[str, object] = {}
         self.monitors = 0
         self.route = route
+        self.release: Releaser | None = None
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
         """pluggy's entry, with pluggy's answers about names: a blocked one registers nothing, a taken one is refused."""
@@ -130,13 +140,17 @@ class _BusPluginManager(pluggy.PluginManager):
             raise ValueError(f"plugin name {name!r} is already registered on this bus, by {hook_label(holder)}")
         return self.route(plugin, name)
 
-    def add(self, plugin: object, name: str, label: str) -> str | None:
-        """Register ``plugin`` as ``name`` after nvtrain's checks; ``label`` names it in errors."""
+    def add(self, plugin: object, name: str, label: str, front: object | None = None) -> str | None:
+        """Register ``plugin`` as ``name`` after nvtrain's checks; ``label`` names it in errors.
+
+        ``front`` is the user's object when ``plugin`` stands in for it (an adapter): pluggy's
+        queries then answer with ``front``.
+        """
         if isinstance(plugin, type):
             raise TypeError(f"register an instance, not the class {plugin.__qualname__}")
         check_priority(plugin)
         refuse_unmarked_stage_methods(plugin)
-        _refuse_equal_twin(plugin, self.registered())
+        _refuse_equal_twin(plugin if front is None else front, self.registered())
         self._check_implementations(plugin, label)
         try:
             registered = super().register(plugin, name)
@@ -153,15 +167,19 @@ class _BusPluginManager(pluggy.PluginManager):
         except ValueError:
             super().unregister(plugin)
             raise
+        if front is not None:
+            self._fronts[registered] = front
         self._sequence[registered] = next(self._counter)
         self._on_change()
         return registered
 
     def _check_implementations(self, plugin: object, label: str) -> None:
-        """Before pluggy sees them: every implementation names a known hook and can take what a stage passes."""
+        """Before pluggy sees them: every implementation names a known hook and can take what a stage passes,
+        and nothing is marked that pluggy would skip (a ``functools.partial``, a callable object: never called)."""
         for attribute in dir(plugin):
-            opts = self.parse_hookimpl_opts(plugin, attribute)
+            opts = super().parse_hookimpl_opts(plugin, attribute)  # every implementation, active or not
             if opts is None:
+                _refuse_marked_non_function(plugin, label, attribute)
                 continue
             hook_name = opts.get("specname") or attribute
             if hook_name in _STAGE_BY_NAME:
@@ -181,22 +199,89 @@ class _BusPluginManager(pluggy.PluginManager):
             return None
         return opts
 
+    # -- pluggy's queries, answered with the user's object ---------------------------------------
+
+    def get_plugin(self, name: str) -> Any | None:
+        """The object registered as ``name``: the user's, also where pluggy holds a stand-in for it."""
+        front = self._fronts.get(name)
+        return front if front is not None else super().get_plugin(name)
+
+    def get_name(self, plugin: object) -> str | None:
+        """The name ``plugin`` (the user's object, or pluggy's own plugin) is registered as, or None."""
+        for name, front in self._fronts.items():
+            if front is plugin:
+                return name
+        return super().get_name(plugin)
+
+    def is_registered(self, plugin: object) -> bool:
+        """Whether ``plugin`` is registered, also where pluggy holds a stand-in for it."""
+        return self.get_name(plugin) is not None
+
+    def list_name_plugin(self) -> list[tuple[str, Any]]:
+        """pluggy's (name, plugin) pairs, each with the user's object where pluggy holds a stand-in."""
+        return [(name, self._fronts.get(name, plugin)) for name, plugin in super().list_name_plugin()]
+
+    def get_plugins(self) -> set[Any]:
+        """The registered objects, the user's where pluggy holds a stand-in (pluggy hashes them)."""
+        return {plugin for _, plugin in self.list_name_plugin() if plugin is not None}
+
+    def get_hookcallers(self, plugin: object) -> list[pluggy.HookCaller] | None:
+        return super().get_hookcallers(self._stored(plugin))
+
+    def subset_hook_caller(self, name: str, remove_plugins: Iterable[object]) -> pluggy.HookCaller:
+        return super().subset_hook_caller(name, [self._stored(plugin) for plugin in remove_plugins])
+
+    def _stored(self, plugin: object) -> object:
+        """What pluggy holds for ``plugin``: its stand-in where it has one, else itself."""
+        for name, front in self._fronts.items():
+            if front is plugin:
+                return super().get_plugin(name)
+        return plugin
+
+    # -- removing --------------------------------------------------------------------------------
+
     def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
-        if name is None and plugin is not None:
-            name = self.get_name(plugin)
-        removed = super().unregister(plugin, name)
-        if name is not None:
-            self._sequence.pop(name, None)
+        """pluggy's unregister, by the object given to ``register`` or the name it returned.
+
+        The bus's owner hears first (:attr:`release`): an update hook leaves the orchestrator
+        then, and an owner that raises keeps the plugin. Returns the user's object.
+        """
+        if name is None:
+            name = None if plugin is None else self.get_name(plugin)
+            if name is None:  # pluggy's own answer: one of them is needed, and it must be registered
+                return super().unregister(plugin, None)
+        if plugin is not None and self._fronts.get(name) is plugin:
+            plugin = super().get_plugin(name)  # the stand-in, which pluggy checks the name against
+        stored = super().get_plugin(name)
+        if stored is None:  # not registered, or blocked: pluggy's answer (None, or its refusal)
+            return super().unregister(plugin, name)
+        if plugin is not None and stored is not plugin:
+            raise ValueError(
+                f"plugin name {name!r} and plugin {hook_label(plugin)} do not agree: {name!r} is registered to "
+                f"{hook_label(self.get_plugin(name))}"
+            )
+        front = self._fronts.get(name, stored)
+        if self.release is not None:
+            self.release(front)
+        self.remove(name)
+        return front
+
+    def remove(self, name: str) -> None:
+        """Take the plugin registered as ``name`` off pluggy, without telling the owner (the bus's own swaps)."""
+        super().unregister(super().get_plugin(name), name)
+        self._fronts.pop(name, None)
+        self._sequence.pop(name, None)
         self._on_change()
-        return removed
 
     def registered(self) -> list[object]:
-        """The registered plugins (blocked names left out), compared by identity, never hashed."""
+        """The registered plugins, the user's objects (blocked names left out), compared by identity, never hashed."""
         return [plugin for _, plugin in self.list_name_plugin() if plugin is not None]
 
     def holds(self, plugin: object) -> bool:
-        """Whether this very object is registered (pluggy's ``is_registered`` compares with ==)."""
-        return any(other is plugin for other in self.registered())
+        """Whether this very object is registered, or pluggy holds it (pluggy's ``is_registered`` compares with ==)."""
+        return any(other is plugin for other in self.registered()) or any(
+            other is plugin for _, other in super().list_name_plugin()
+        )
 
     def add_hookcall_monitoring(self, before: Any, after: Any) -> Callable[[], None]:
         undo = super().add_hookcall_monitoring(before, after)
@@ -218,6 +303,10 @@ class _BusPluginManager(pluggy.PluginManager):
         """Give the plugin registered as ``name`` another place in registration order."""
         self._sequence[name] = sequence
         self._on_change()
+
+    def move_first(self, name: str) -> None:
+        """Put the plugin registered as ``name`` before every other in registration order."""
+        self.move(name, min(self._sequence.values(), default=0) - 1)
 
     def sequence_of(self, name: str) -> int:
         return self._sequence[name]
@@ -309,16 +398,19 @@ class HookBus:
     def tracing(self) -> bool:
         return self._tracing
 
-    def route_pluggy(self, router: Router) -> None:
+    def route_pluggy(self, router: Router, release: Releaser | None = None) -> None:
         """Send ``bus.pluggy.register`` (and pluggy's entry-point loading) to ``router``.
 
         A strategy's registry routes them to ``strategy.register_hook``'s path, so an
         ``nvtrain.Hook`` or an update hook registered through pluggy joins the loop,
-        with the same checks, and is closed and saved like any other hook.
+        with the same checks, and is closed and saved like any other hook. ``release``
+        hears of each user's object before ``unregister`` (either one) removes it, so
+        an update hook leaves the orchestrator too.
         """
         self._pm.route = router
+        self._pm.release = release
 
-    def register(self, plugin: object, name: str | None = None) -> str:
+    def register(self, plugin: object, name: str | None = None, *, stands_for: object | None = None) -> str:
         """Add a plugin that implements at least one stage; returns the name it got.
 
         ``name`` labels the plugin in errors and traces (a plugin class's ``plugin_name``);
@@ -326,21 +418,46 @@ class HookBus:
         instances of one plugin class (two loggers, one EMA per model) can coexist. A
         blocked name (``bus.pluggy.set_blocked``) is refused. This is the bus's own way
         in: a strategy's hooks come through ``strategy.register_hook`` (or ``bus.pluggy``).
+        ``stands_for`` is the user's object when ``plugin`` is a stand-in for it (an
+        ``nvtrain.Hook``'s adapter): pluggy's queries by name or plugin then answer with it.
         """
-        if self._pm.holds(plugin):
-            raise ValueError(f"plugin {hook_label(plugin)} is already registered on this strategy")
-        label = _label(plugin, name)
+        user = plugin if stands_for is None else stands_for
+        label = _label(user, name)
         if not isinstance(plugin, type):
             _refuse_without_stages(plugin, label)
-        base = name or f"{type(plugin).__qualname__}-{id(plugin):x}"
+        return self._admit(plugin, name, label, stands_for)
+
+    def enrol(self, member: object, name: str | None = None) -> str:
+        """Give a plugin the bus does not call by itself (an update hook: the orchestrator calls it) a name.
+
+        pluggy's ``get_plugin`` / ``unregister`` / ``is_registered`` then find it like any plugin
+        (unregistering it removes it from the orchestrator); its marked stage methods, if any,
+        are called as a plugin's. Returns the name it got.
+        """
+        return self._admit(member, name, _label(member, name), None)
+
+    def _admit(self, plugin: object, name: str | None, label: str, front: object | None) -> str:
+        user = plugin if front is None else front
+        if self._pm.holds(user) or self._pm.holds(plugin):
+            raise ValueError(f"plugin {hook_label(user)} is already registered on this strategy")
+        base = name or f"{type(user).__qualname__}-{id(user):x}"
         if self._pm.is_blocked(base):
             raise ValueError(f"plugin {label}: the name {base!r} is blocked on this bus (bus.pluggy.set_blocked)")
-        registered = self._pm.add(plugin, self._unique_name(base), label)
+        registered = self._pm.add(plugin, self._unique_name(base), label, front)
         if registered is None:
             raise ValueError(f"plugin {label}: its name is blocked on this bus (bus.pluggy.set_blocked)")
         return registered
 
+    def move_first(self, plugin: object) -> None:
+        """Put ``plugin`` first in registration order, the tie-break among equal priorities (the orchestrator,
+        registered back after being unregistered, takes its original place)."""
+        name = self._pm.get_name(plugin) if self._pm.holds(plugin) else None
+        if name is None:
+            raise ValueError(f"plugin {hook_label(plugin)} is not registered")
+        self._pm.move_first(name)
+
     def unregister(self, plugin: object) -> None:
+        """Remove ``plugin`` (the object registered: an ``nvtrain.Hook``, an update hook, a plugin), as pluggy's does."""
         if not self._pm.holds(plugin):
             raise ValueError(f"plugin {hook_label(plugin)} is not registered")
         self._pm.unregister(plugin)
@@ -356,7 +473,7 @@ class HookBus:
         if name is None:
             raise ValueError(f"plugin {hook_label(old)} is not registered")
         sequence = self._pm.sequence_of(name)
-        self._pm.unregister(old)
+        self._pm.remove(name)
         try:
             self._pm.add(new, name, repr(name))
         except Exception:
@@ -374,11 +491,24 @@ class HookBus:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def plugins(self) -> list[object]:
-        """Registered plugins by ascending ``priority``, then registration order."""
+        """Registered plugins by ascending ``priority``, then registration order.
+
+        Each is the object registered: an ``nvtrain.Hook`` itself (not its adapter), and
+        the update hooks, which the orchestrator calls.
+        """
         pm = self._pm
         named = [(name, plugin) for name, plugin in pm.list_name_plugin() if plugin is not None]
         named.sort(key=lambda item: (getattr(item[1], "priority", DEFAULT_PRIORITY), pm.sequence_of(item[0])))
         return [plugin for _, plugin in named]
+
+    def unowned_slots(self) -> list[TrainingStage]:
+        """The replacement slots (DO_BACKWARD, DO_OPTIMIZER_STEP) no plain implementation owns, in loop order."""
+        return [
+            stage
+            for stage in TrainingStage
+            if stage in REPLACEMENT_STAGES
+            and not any(not (impl.wrapper or impl.hookwrapper) for impl in self.implementations(stage))
+        ]
 
     def implementations(self, stage: TrainingStage) -> list[HookImpl]:
         """The implementations of a stage in the order they are called (wrappers first)."""
@@ -499,6 +629,21 @@ def _check_replacement_slots(pm: pluggy.PluginManager) -> None:
 def _implements_a_stage(plugin: object) -> bool:
     """Any attribute marked with @nvtrain.hookimpl (a misspelled one too: registration then names it)."""
     return any(hasattr(getattr(plugin, name, None), _MARKER) for name in dir(plugin) if not name.startswith("__"))
+
+
+def _refuse_marked_non_function(plugin: object, label: str, attribute: str) -> None:
+    """pluggy takes only functions and methods as implementations: a marked ``functools.partial`` or callable
+    object would pass for one and never be called."""
+    if attribute.startswith("__"):
+        return
+    value = inspect.getattr_static(plugin, attribute, None)
+    if not hasattr(value, _MARKER):
+        return
+    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    raise TypeError(
+        f"plugin {label}: attribute {attribute!r} is marked @nvtrain.hookimpl but is a {kind}, not a function or "
+        f"method, so pluggy would never call it; expected a method (def {attribute}(self, ctx)) that calls it"
+    )
 
 
 def _label(plugin: object, name: str | None) -> str:

@@ -5,6 +5,10 @@ update hooks composed with ``+``, and ``bus.pluggy.register``, which the bus rou
 here) end here, so there is one place that knows every hook, the order they came in
 and which of them hold resources to close. What is registered is read from the bus
 and the orchestrator, so a plugin removed from the bus is neither saved nor closed.
+
+Every hook has its own name on the bus (an update hook too, though the orchestrator
+calls it), so pluggy's ``unregister(name=...)`` / ``unregister(hook)`` remove exactly
+that hook: :meth:`HookRegistry._release` then rebuilds the orchestrator without it.
 """
 
 from __future__ import annotations
@@ -15,21 +19,14 @@ from typing import Any
 import torch
 
 from nvtrain.adapter import HookAdapter
-from nvtrain.bus import HookBus, refuse_unmarked_stage_methods
+from nvtrain.bus import HookBus
 from nvtrain.hook import Hook, TrainingUpdateHook, hook_label
-from nvtrain.hookspecs import PROJECT_NAME
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.stages import TrainingStage
 
 __all__ = ["HookRegistry", "check_registration"]
 
 StageSelection = TrainingStage | Iterable[TrainingStage] | None
-
-
-def _has_hookimpls(obj: object) -> bool:
-    """Any attribute marked with @nvtrain.hookimpl, also a misspelled one (the bus then names it)."""
-    marker = PROJECT_NAME + "_impl"
-    return any(hasattr(getattr(obj, name, None), marker) for name in dir(obj) if not name.startswith("__"))
 
 
 class HookRegistry:
@@ -68,10 +65,10 @@ class HookRegistry:
             if isinstance(hook, TrainingUpdateOrchestrator):
                 self._order.extend(hook.hooks)
                 for inner in hook.hooks:
-                    self._observe(inner, None)
+                    self._enrol(inner, None)
             else:
                 self._add(hook, None, None)
-        self.bus.route_pluggy(self._route)
+        self.bus.route_pluggy(self._route, self._release)
 
     # -- what is registered ---------------------------------------------------------------------
 
@@ -92,7 +89,7 @@ class HookRegistry:
     def _registered(self) -> list[object]:
         """The hooks given, in registration order, that are still registered (each once)."""
         present = {id(h) for h in self._orchestrator.hooks}
-        present.update(id(p.hook if isinstance(p, HookAdapter) else p) for p in self.bus.plugins())
+        present.update(id(p) for p in self.bus.plugins())
         seen: set[int] = set()
         kept = []
         for hook in self._order:
@@ -120,9 +117,12 @@ class HookRegistry:
         return self._register(plugin, None, name)
 
     def _register(self, hook: object, stage: StageSelection, name: str | None) -> str:
-        """Add ``hook`` (see :meth:`register`); returns its name on the bus, the orchestrator's for an update hook
-        that observes no stage."""
+        """Add ``hook`` (see :meth:`register`); returns its own name on the bus (an update hook's too)."""
         if isinstance(hook, TrainingUpdateOrchestrator):
+            if hook is self._orchestrator and not self.bus.pluggy.is_registered(hook):  # put back after unregistering
+                registered = self.bus.register(hook, name or TrainingUpdateOrchestrator.plugin_name)
+                self.bus.move_first(hook)  # registered first, as the constructor does
+                return registered
             raise ValueError(
                 "this strategy already has a TrainingUpdateOrchestrator; register its hooks one by one instead"
             )
@@ -138,16 +138,43 @@ class HookRegistry:
         new = self._orchestrator + hook  # composition errors surface before anything changes
         if self._binding is not None:
             new.bind(*self._binding)
-        observed = self._observe(hook, name)
+        registered = self._enrol(hook, name)
         try:
-            self.bus.replace(self._orchestrator, new)
+            self._swap(new)
         except Exception:
-            if observed is not None:
-                self.bus.unregister(hook)
+            self.bus.unregister(hook)  # not in the orchestrator yet: _release leaves it alone
             raise
-        self._orchestrator = new
         self._remember(hook)
-        return observed or TrainingUpdateOrchestrator.plugin_name
+        return registered
+
+    def _release(self, hook: object) -> None:
+        """Before the bus lets ``hook`` go (pluggy's or the bus's ``unregister``): an update hook leaves the
+        orchestrator, rebuilt without it, so unregistering one never takes the others' updates with it."""
+        if not any(h is hook for h in self._orchestrator.hooks):
+            return
+        new = TrainingUpdateOrchestrator([h for h in self._orchestrator.hooks if h is not hook])
+        if self._binding is not None:
+            new.bind(*self._binding)
+        self._swap(new)
+
+    def _swap(self, new: TrainingUpdateOrchestrator) -> None:
+        """Make ``new`` the orchestrator, in the old one's place on the bus (kept off it if it was unregistered)."""
+        if self.bus.pluggy.is_registered(self._orchestrator):
+            self.bus.replace(self._orchestrator, new)
+        self._orchestrator = new
+
+    def refuse_unowned_slots(self) -> None:
+        """Before a run: refuse, in one line naming them, replacement slots nobody owns (no step would happen)."""
+        unowned = self.bus.unowned_slots()
+        if not unowned:
+            return
+        slots = " and ".join(stage.name for stage in unowned)
+        methods = " and ".join(stage.hook_name for stage in unowned)
+        raise RuntimeError(
+            f"TrainingStrategy.run: no plugin owns {slots}, so training would never update the weights (was "
+            f"{TrainingUpdateOrchestrator.plugin_name!r} unregistered from the bus?); register "
+            f"strategy.orchestrator back with strategy.bus.pluggy.register, or a plugin implementing {methods}"
+        )
 
     def bind(self, optimizers: dict[str, torch.optim.Optimizer], per_step_schedulers: dict[str, Any]) -> None:
         """Give the orchestrator the optimizers and the schedulers it steps (also to later update hooks)."""
@@ -160,10 +187,10 @@ class HookRegistry:
         if isinstance(hook, TrainingUpdateHook):  # the constructor's bare update hooks: already composed
             if stage is not None:
                 raise ValueError(f"update hook {hook_label(hook)}: passing stage=... is not supported for update hooks")
-            registered = self._observe(hook, name) or TrainingUpdateOrchestrator.plugin_name
+            registered = self._enrol(hook, name)
         elif isinstance(hook, Hook):
             stages = None if stage is None else ([stage] if isinstance(stage, (int, TrainingStage)) else stage)
-            registered = self.bus.register(HookAdapter(hook, stages), name)
+            registered = self.bus.register(HookAdapter(hook, stages), name, stands_for=hook)
         elif stage is not None:
             raise ValueError(
                 f"plugin {hook_label(hook)}: stage=... applies to nvtrain.Hook instances; a pluggy plugin "
@@ -174,13 +201,10 @@ class HookRegistry:
         self._remember(hook)
         return registered
 
-    def _observe(self, hook: TrainingUpdateHook, name: str | None) -> str | None:
-        """An update hook may also observe stages through @hookimpl methods (all of them marked): then it is
-        a plugin on the bus as well, and its name there is returned."""
-        if _has_hookimpls(hook):
-            return self.bus.register(hook, name or getattr(hook, "plugin_name", None))
-        refuse_unmarked_stage_methods(hook)  # the bus checks the others; unmarked, it would never be looked at
-        return None
+    def _enrol(self, hook: TrainingUpdateHook, name: str | None) -> str:
+        """An update hook gets its own name on the bus (pluggy finds and unregisters it by that name); its
+        @hookimpl methods, if any (all of them marked), observe stages as a plugin's."""
+        return self.bus.enrol(hook, name or getattr(hook, "plugin_name", None))
 
     # -- closing --------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ what it expected instead.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -126,3 +127,58 @@ def test_what_pluggy_can_call_is_accepted(make_strategy: Any, batches: Any) -> N
     strategy = make_strategy([Callable()])
     strategy.train_batch(batches(1)[0])
     assert seen == ["before_batch", "after_loss", "do_backward", "do_optimizer_step", "after_batch"]
+
+
+# -- a marked attribute pluggy would skip ----------------------------------------------------------
+
+
+def _record(log: list[str], ctx: Any) -> None:
+    log.append("called")
+
+
+class MarkedPartial:
+    """pluggy takes only functions and methods: a marked partial passed for an implementation, never called."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.after_batch = nvtrain.hookimpl(functools.partial(_record, self.log))
+
+
+class _CallableObject:
+    def __call__(self, ctx: Any) -> None:
+        return None
+
+
+class MarkedCallableObject:
+    before_batch = nvtrain.hookimpl(_CallableObject())
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: Any) -> None:
+        return None
+
+
+SKIPPED = [
+    (MarkedPartial, r"attribute 'after_batch' is marked @nvtrain.hookimpl but is a functools.partial"),
+    (MarkedCallableObject, r"attribute 'before_batch' is marked @nvtrain.hookimpl but is a .*_CallableObject"),
+]
+
+
+@pytest.mark.parametrize(("cls", "message"), SKIPPED, ids=[cls.__name__ for cls, _ in SKIPPED])
+def test_a_marked_attribute_pluggy_would_never_call_is_refused_on_every_path(
+    make_strategy: Any, cls: type, message: str
+) -> None:
+    label = cls.__name__
+    expected = rf"^plugin {label}: {message}, not a function or method, so pluggy would never call it; expected a"
+    with pytest.raises(TypeError, match=expected) as caught:
+        make_strategy([cls()])
+    assert "\n" not in str(caught.value)
+    strategy = make_strategy()
+    with pytest.raises(TypeError, match=expected):
+        strategy.register_hook(cls())
+    with pytest.raises(TypeError, match=message):
+        strategy.bus.pluggy.register(cls())
+    assert strategy.registry.hooks() == []
+    bus = HookBus(trace=False)
+    with pytest.raises(TypeError, match=message):
+        bus.register(cls(), "named")
+    assert bus.plugins() == []
