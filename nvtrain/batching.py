@@ -22,7 +22,8 @@ def batch_size(batch: Any) -> int:
     """Samples in a micro-batch: the first dimension of its first tensor (1 for a scalar).
 
     The first tensor is searched for through the whole batch, depth first and in order
-    (a mapping's values, a sequence's items, a dataclass's or attrs instance's fields),
+    (a mapping's values, a sequence's items, a dataclass's or attrs instance's fields;
+    a list of one kind of item without a tensor in its first is passed over whole),
     so the strings a default collate puts first (``(texts, targets)``) are passed over.
     A batch with no tensor at all counts the ``len()`` of its first list (default
     collate gathers a batch's strings in a list; a tuple groups fields), 0 for an empty
@@ -52,9 +53,21 @@ def _children(value: Any) -> Iterable[Any]:
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
-    """The first tensor in ``value``, depth first; plain items (a list's strings) are skipped without a call each."""
+    """The first tensor in ``value``, depth first; plain items (a list's strings) are skipped without a call each.
+
+    A list whose first two items are of one type and the first holds no tensor is passed over whole: a
+    collated list of one kind of item (a batch's strings, token-id lists, arrays) costs a few calls per
+    batch, not one per sample or token. (A list of fields, ``[texts, targets]``, is searched item by item.)
+    """
     if isinstance(value, torch.Tensor):
         return value
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, _PLAIN):
+            return None
+        found = _first_tensor(first)
+        if found is not None or (len(value) > 1 and type(value[1]) is type(first)):
+            return found
     for item in _children(value):
         if isinstance(item, _PLAIN):
             continue

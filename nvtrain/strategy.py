@@ -300,7 +300,7 @@ class TrainingStrategy:
 
             checkpointable_hooks(strategy_hooks(self))
         scheduler = self._build_scheduler(ctx.train_loader)
-        self._refuse_unstepped_metric_schedules(scheduler)
+        self._warn_unstepped_metric_schedules(scheduler)
         ctx.scheduler = scheduler
         self._live_data.scheduler = scheduler
         self._live_data.loaders = [ctx.train_loader, self.validation.data if self.validation is not None else None]
@@ -699,9 +699,9 @@ class TrainingStrategy:
                 ctx.batch, ctx.models = saved_batch, saved_models
         return outputs, targets, batch_size(batch)
 
-    def _refuse_unstepped_metric_schedules(self, scheduler: StepScheduler) -> None:
-        """A metric-driven LR scheduler (a ReduceLROnPlateau) steps only after validations: a run that never
-        validates would keep its learning rate without a word."""
+    def _warn_unstepped_metric_schedules(self, scheduler: StepScheduler) -> None:
+        """A metric-driven LR scheduler (a ReduceLROnPlateau) steps only after validations: a run configured to
+        never validate keeps its learning rate, unless a hook calls ``validate()`` itself; say so."""
         metric_driven = [plan for plan in self._schedules if plan.metric is not None]
         if not metric_driven:
             return
@@ -714,10 +714,13 @@ class TrainingStrategy:
         else:
             return
         plan = metric_driven[0]
-        raise ValueError(
+        warnings.warn(
             f"TrainingStrategy.lr_schedulers[{plan.name!r}]: {type(plan.scheduler).__name__} steps after each "
-            f"validation with metric {plan.metric!r}, but the run never validates: {why}; give it validation data "
-            "and a cadence, or use a step or epoch schedule"
+            f"validation with metric {plan.metric!r}, but the run is not set to validate: {why}; it keeps its "
+            "learning rate unless a hook calls validate() during the run (give the run validation data and a "
+            "cadence, or use a step or epoch schedule)",
+            RuntimeWarning,
+            stacklevel=3,
         )
 
     def _has_validation_data(self) -> bool:

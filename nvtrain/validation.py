@@ -106,6 +106,7 @@ class ValidationLoop:
 
     def run(self, models: Mapping[str, torch.nn.Module], loader: Iterable[Any]) -> dict[str, Any]:
         modes = _module_modes(models)
+        tops = [(model, model.training) for model in models.values()]
         for model in models.values():
             model.eval()
         totals: dict[str, torch.Tensor] = {}
@@ -123,7 +124,7 @@ class ValidationLoop:
                         totals[name] = totals[name] + weighted if name in totals else weighted
                     num_samples += size
         finally:
-            _restore_modes(modes)
+            _restore_modes(tops, modes)
         if num_samples == 0:
             raise ValueError("validation loader yielded no samples")
         summary: dict[str, Any] = {name: total / num_samples for name, total in totals.items()}
@@ -137,10 +138,16 @@ def _module_modes(models: Mapping[str, torch.nn.Module]) -> list[tuple[torch.nn.
     return [(module, module.training) for model in models.values() for module in model.modules()]
 
 
-def _restore_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
-    """Set each module's flag back as it was, one module at a time (never recursively)."""
+def _restore_modes(
+    tops: list[tuple[torch.nn.Module, bool]], modes: list[tuple[torch.nn.Module, bool]]
+) -> None:
+    """``model.train(mode)`` on each model, as before the validation (a ``train()`` override runs: a module
+    that fuses its branches on ``eval()`` unfuses), then each submodule's own flag where it differed."""
+    for model, training in tops:
+        model.train(training)
     for module, training in modes:
-        module.training = training
+        if module.training != training:
+            module.training = training
 
 
 # -- what a strategy's hooks contribute to a validation -------------------------------------------

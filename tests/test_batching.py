@@ -250,3 +250,17 @@ def test_moving_a_mapping_of_its_own_class_leaves_the_callers_batch_on_the_cpu()
     moved = move(batch)
     assert batch["x"].device.type == "cpu"  # the loader's batch (maybe a cached one) is not changed
     assert moved["x"].device == META and isinstance(moved, dict)  # Store(**items) only: a dict
+
+
+class _NotIterated(list):  # type: ignore[type-arg]
+    """A list that fails when iterated: the batch-size search must not walk a collated list item by item."""
+
+    def __iter__(self) -> Any:
+        raise AssertionError("batch_size walked a list of one kind of item, one call per item")
+
+
+def test_the_batch_size_search_passes_over_lists_of_one_kind_of_item_whole() -> None:
+    token_ids = _NotIterated([_NotIterated([1] * 2048) for _ in range(4)])
+    assert batch_size({"input_ids": token_ids, "labels": _NotIterated([0] * 4)}) == 4
+    arrays = _NotIterated([types.SimpleNamespace(values=[0.0] * 8) for _ in range(4)])  # e.g. numpy arrays
+    assert batch_size((arrays, torch.ones(4))) == 4

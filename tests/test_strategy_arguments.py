@@ -65,13 +65,37 @@ _PLATEAU = nvtrain.LRSchedule(functools.partial(torch.optim.lr_scheduler.ReduceL
         ("no-cadence", "no validation cadence is set"),
     ],
 )
-def test_a_metric_driven_schedule_in_a_run_that_never_validates_is_refused(validation: Any, why: str) -> None:
+def test_a_metric_driven_schedule_in_a_run_that_never_validates_is_named(validation: Any, why: str) -> None:
     if validation == "no-cadence":
         validation = nvtrain.ValidationConfig(data=_batches(), every_n_epochs=None)
     strategy = _strategy(lr_schedulers=_PLATEAU, validation=validation, num_epochs=2)
-    with pytest.raises(ValueError, match=rf"lr_schedulers\['main'\]: ReduceLROnPlateau .* never validates: {why}"):
+    message = rf"lr_schedulers\['main'\]: ReduceLROnPlateau .* not set to validate: {why}.*; it keeps its learning rate"
+    with pytest.warns(RuntimeWarning, match=message):
         strategy.run(_batches())
-    assert strategy.ctx.step_count == 0
+
+
+def test_a_metric_driven_schedule_steps_when_a_hook_validates_in_the_run() -> None:
+    data = _batches()
+    lrs: list[float] = []
+
+    class ValidateEachEpoch:
+        @nvtrain.hookimpl
+        def after_epoch(self, ctx: nvtrain.TrainingContext) -> None:
+            ctx.strategy.validate(data)  # type: ignore[union-attr]
+            lrs.append(ctx.optimizers["main"].param_groups[0]["lr"])
+
+        @nvtrain.hookimpl
+        def before_optimizer_step(self, ctx: nvtrain.TrainingContext) -> None:
+            for param in ctx.models["main"].parameters():  # the validation loss stalls
+                param.grad = torch.zeros_like(param)
+
+    plateau = nvtrain.LRSchedule(
+        functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, patience=0, factor=0.5, threshold=0.0)
+    )
+    strategy = _strategy(lr_schedulers=plateau, hooks=[ValidateEachEpoch()], num_epochs=3)
+    with pytest.warns(RuntimeWarning, match="unless a hook calls validate"):
+        strategy.run(data)
+    assert lrs == pytest.approx([0.1, 0.05, 0.025])
 
 
 def test_a_metric_driven_schedule_with_a_step_cadence_runs() -> None:

@@ -94,3 +94,29 @@ def test_metrics_take_any_mapping_of_callables() -> None:
 
     assert nvtrain.ValidationConfig(metrics={"acc": accuracy}).metrics == {"acc": accuracy}
     assert nvtrain.ValidationConfig(use_ema=True).use_ema is True
+
+
+class _Fusing(torch.nn.Module):
+    """Fuses its two branches into one cached weight on ``eval()`` and drops the cache on ``train()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+        self.fused: torch.Tensor | None = None
+
+    def train(self, mode: bool = True) -> _Fusing:
+        super().train(mode)
+        self.fused = None if mode else (self.a.weight + self.b.weight).detach()
+        return self
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return inputs @ self.fused.t()
+        return self.a(inputs) + self.b(inputs)
+
+
+def test_the_loop_restores_a_models_mode_through_its_train_method() -> None:
+    model = _Fusing()
+    loop = ValidationLoop(forward=_forward, loss_fn=torch.nn.functional.mse_loss)
+    loop.run({"main": model}, [(torch.randn(2, 4), torch.randn(2, 2))])
+    assert model.training and model.fused is None  # train() ran on the way back: the cache is gone
