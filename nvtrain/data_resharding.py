@@ -21,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from nvtrain.data_cursor import is_stateful_dataloader
 
-__all__ = ["global_order", "resharded_position"]
+__all__ = ["global_order", "order_differences", "resharded_position"]
 
 
 def global_order(loader: Any) -> dict[str, Any] | None:
@@ -41,6 +41,17 @@ def global_order(loader: Any) -> dict[str, Any] | None:
     except TypeError:
         return None
     return {"samples": samples, "shuffle": sampler.shuffle, "seed": sampler.seed, "drop_last": sampler.drop_last}
+
+
+def order_differences(saved: dict[str, Any], mine: dict[str, Any]) -> str:
+    """How the two configurations' ``global_order`` differ (``"seed: saved 0, now 1"``); "" when they do not,
+    or when either has none to compare."""
+    order, saved_order = mine.get("global_order"), saved.get("global_order")
+    if order is None or saved_order is None or saved_order == order:
+        return ""
+    return ", ".join(
+        f"{key}: saved {saved_order.get(key)!r}, now {order[key]!r}" for key in order if saved_order.get(key) != order[key]
+    )
 
 
 def resharded_position(saved: dict[str, Any], mine: dict[str, Any], position: int) -> int:
@@ -63,12 +74,8 @@ def resharded_position(saved: dict[str, Any], mine: dict[str, Any], position: in
             + ("the saving job's loader" if saved_order is None else "this job's loader")
             + " is not one (a torchdata StatefulDataLoader keeps a per-rank state that cannot be split either)"
         )
-    if saved_order != order:
-        differ = ", ".join(
-            f"{key}: saved {saved_order.get(key)!r}, now {order[key]!r}"
-            for key in order
-            if saved_order.get(key) != order[key]
-        )
+    differ = order_differences(saved, mine)
+    if differ:
         raise ValueError(f"the epoch's sample order differs ({differ})")
     consumed = position * saved["local_batch_size"] * saved["dp_size"]
     per_batch = mine["local_batch_size"] * mine["dp_size"]

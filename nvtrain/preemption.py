@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["PreemptionWatcher", "SignalLike", "collective_device", "resolve_signals"]
+__all__ = ["PreemptionWatcher", "SignalLike", "collective_device", "is_rank_zero", "resolve_signals"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,8 @@ class PreemptionWatcher:
         #: another rank asked; None while no rank asked.
         self.stop_reason: str | None = None
         self._previous: dict[signal.Signals, Any] = {}
+        #: A Ctrl-C (SIGINT) was caught already: the next one aborts.
+        self._interrupted = False
         self._flag: torch.Tensor | None = None
         self._multi_rank: bool | None = None
 
@@ -158,13 +160,16 @@ class PreemptionWatcher:
         self.restore()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self.received_signal is not None:
-            # A second Ctrl-C: the user will not wait for the step to end. Abort as Python would.
-            self.restore()
-            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            if self._interrupted:
+                # A second Ctrl-C: the user will not wait for the step to end. Abort as Python would. (A
+                # Ctrl-C after a scheduler's SIGTERM is a first one: the run is already stopping anyway.)
+                self.restore()
+                raise KeyboardInterrupt
+            self._interrupted = True
         if self.received_signal is None:
             self.received_signal = signum
-            if signum == signal.SIGINT and _is_rank_zero():
+            if signum == signal.SIGINT and is_rank_zero():
                 # os.write, not logging or print: both take locks a signal handler may interrupt.
                 with contextlib.suppress(OSError):
                     os.write(2, b"\nCtrl-C: stopping after this step (press Ctrl-C again to abort now)\n")
@@ -224,11 +229,11 @@ class PreemptionWatcher:
             agreed, stop = local_signal, local_stop
         if stop:
             self.stop_reason = self.requested_stop or "another rank requested a stop"
-            if _is_rank_zero():
+            if is_rank_zero():
                 logger.warning("stop requested (%s): stopping at this step", self.stop_reason)
         if not agreed:
             return self.stop_reason is not None
-        if _is_rank_zero():
+        if is_rank_zero():
             received = self.received_signal
             source = signal.Signals(received).name if received is not None else "another rank"
             logger.warning("preemption signal received (%s): stopping at this step", source)
@@ -236,7 +241,7 @@ class PreemptionWatcher:
         return True
 
 
-def _is_rank_zero() -> bool:
+def is_rank_zero() -> bool:
     """Per-run messages come from rank 0 only (the torchrun environment tells before the group exists)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0

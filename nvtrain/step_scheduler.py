@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 
 from nvtrain.data_cursor import is_one_shot
-from nvtrain.data_resharding import global_order, resharded_position
+from nvtrain.data_resharding import global_order, order_differences, resharded_position
 from nvtrain.epoch_reader import NO_ITEM, EpochReader, loader_len, loader_parts
-from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
-from nvtrain.validators import int_at_least, optional_int_at_least, refused
+from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, is_rank_zero, resolve_signals
+from nvtrain.validators import int_at_least, optional_int_at_least, refused, strict_bool
 
 if TYPE_CHECKING:
     from typing import Self
@@ -553,19 +553,26 @@ class StepScheduler:
     def is_val_step(self) -> bool:
         """Validate now: a ``val_every_steps`` cadence, or a checkpoint step when ``validate_on_checkpoint``.
 
-        A checkpoint taken only because of preemption does not validate: the
-        grace period before the hard kill is for saving.
+        With ``validate_on_checkpoint``, a ``ckpt_every_steps`` step validates whatever
+        else happens at it; an epoch's end and the run's end do too, except when they
+        are not what they seem: a checkpoint a preemption forces (also at an epoch's
+        end, whose validation is then owed to the resumed run: the grace period before
+        the hard kill is for saving), and the step a stop request made the last inside
+        an epoch (an epoch cut short gets no epoch-end validation).
         """
         boundary = self._boundary
         if boundary is None:
             return False
         if any(self._cadence(every) for every in self.val_every_steps):
             return True
-        return self.validate_on_checkpoint and (
-            boundary.last
-            or (self.save_checkpoint_every_epoch and boundary.epoch_end)
-            or self._cadence(self.ckpt_every_steps)
-        )
+        if not self.validate_on_checkpoint:
+            return False
+        if self._cadence(self.ckpt_every_steps):
+            return True
+        natural_end = self._reaches_the_end()
+        if self._watcher.preempted and not natural_end:
+            return False
+        return (self.save_checkpoint_every_epoch and boundary.epoch_end) or (boundary.last and natural_end)
 
     @property
     def is_remote_logging_step(self) -> bool:
@@ -639,7 +646,8 @@ class StepScheduler:
         received = self._watcher.received_signal
         self._in_scope = False
         self._watcher.restore()
-        if received is not None and not self._watcher.preempted:
+        # not when leaving by an exception (a second Ctrl-C's KeyboardInterrupt did act on it); rank 0 only
+        if received is not None and not self._watcher.preempted and exc_type is None and is_rank_zero():
             logger.warning(
                 "StepScheduler: %s arrived after the last preemption poll; it was not acted on",
                 signal.Signals(received).name,
@@ -741,6 +749,13 @@ class StepScheduler:
             _check_int("StepScheduler.load_state_dict", key, state[key], 0)
         if differ:
             state = self._resharded(state, saved, mine, differ)
+        order_differ = order_differences(saved, mine)
+        if order_differ:  # the same batch configuration over another permutation: the position means other samples
+            raise ValueError(
+                f"StepScheduler.load_state_dict: the epoch's sample order differs ({order_differ}): the saved "
+                "position would read other samples (some twice, some never). Resume with the same data and "
+                "sampler settings, or restore without the data position"
+            )
         # After the batch configuration, whose refusal names its own differences first. One process only:
         # ranks may read data sets of their own (sharded by hand), and a state holds rank 0's length; under
         # a DistributedSampler, ``global_order`` holds the length the ranks share.
@@ -835,8 +850,8 @@ class StepSchedulerConfig:
     max_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     #: Checkpoint every N optimizer steps (None: only epoch ends, the last step and preemption).
     ckpt_every_steps: int | None = attrs.field(default=100, validator=optional_int_at_least(1))
-    save_checkpoint_every_epoch: bool = True
-    validate_on_checkpoint: bool = True
+    save_checkpoint_every_epoch: bool = attrs.field(default=True, validator=strict_bool)
+    validate_on_checkpoint: bool = attrs.field(default=True, validator=strict_bool)
     val_every_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     log_remote_every_steps: int = attrs.field(default=10, validator=int_at_least(1))
     loss_average_window_steps: int = attrs.field(default=50, validator=int_at_least(1))

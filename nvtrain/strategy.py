@@ -379,7 +379,7 @@ class TrainingStrategy:
         # the resumed run; at the run's last step there is nothing to resume, so it validates now.
         epoch_completed = scheduler.epoch > epoch
         stopped_early = scheduler.stop_reason is not None and not epoch_completed
-        if not stopped_early and validated_at != ctx.step_count and self._epoch_validates():
+        if not stopped_early and validated_at != ctx.step_count and self._epoch_end_validates(scheduler):
             if not scheduler.sigterm_received or scheduler.is_last_step:
                 self._validate_in_run()
             elif epoch_completed:
@@ -788,6 +788,12 @@ class TrainingStrategy:
             self._evaluate(None)
         self._after_validation()
         self.ctx.validation_follows = False
+
+    def _epoch_end_validates(self, scheduler: StepScheduler) -> bool:
+        """Whether the end of ``ctx.epoch`` validates: on the epoch cadence, or as a checkpoint step (the
+        scheduler's ``validate_on_checkpoint`` with a checkpoint at every epoch's end)."""
+        on_checkpoint = scheduler.validate_on_checkpoint and scheduler.save_checkpoint_every_epoch
+        return self._epoch_validates() or (on_checkpoint and self._has_validation_data())
 
     def _epoch_validates(self) -> bool:
         """Whether the epoch cadence validates at the end of ``ctx.epoch`` (given validation data)."""

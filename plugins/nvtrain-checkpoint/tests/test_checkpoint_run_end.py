@@ -177,15 +177,14 @@ def csv_rows(directory: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
-def test_a_preempted_epoch_end_that_validates_as_a_checkpoint_step_is_saved_after_it(tmp_path: Path) -> None:
-    """With ``validate_on_checkpoint`` the epoch's end validates as a checkpoint step, preempted or not: its
-    checkpoint waits for that validation and owes nothing."""
+def test_a_preempted_epoch_end_that_validates_as_a_checkpoint_step_owes_its_validation(tmp_path: Path) -> None:
+    """With ``validate_on_checkpoint`` an epoch's end validates as a checkpoint step; preempted there, the run
+    saves first (the grace period is for saving) and the resumed run makes that validation before training."""
     straight, straight_result, _, straight_validated = train_digits(tmp_path / "straight", on_checkpoint=True)
     _, first, _, first_validated = train_digits(tmp_path / "resumed", PreemptDuring(10), on_checkpoint=True)
-    assert first.preempted and first_validated.steps == [10]
+    assert first.preempted and first_validated.steps == []
     state = CheckpointHook(tmp_path / "resumed").read_checkpoint(tmp_path / "resumed" / "step_10")
-    assert state["scheduler"]["validation_owed"] is False
-    assert state["lr_schedulers"]["main"]["best"] != float("inf")  # the plateau scheduler saw that validation
+    assert state["scheduler"]["validation_owed"] is True
     resumed, result, _, validated = train_digits(tmp_path / "resumed", resume="auto", on_checkpoint=True)
     assert first_validated.steps + validated.steps == straight_validated.steps
     assert result.step_count == straight_result.step_count
