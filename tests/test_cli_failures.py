@@ -194,6 +194,11 @@ def test_a_user_module_that_raises_on_import_is_one_line_exit_2(
             "micro-batch(es) per optimizer step, but hooks[0].steps (accumulate) accumulates over 4",
         ),
         (
+            ["hooks=[{name: trainable_params, trainable: [nonexistent]}]"],
+            "hooks",
+            "SETUP: TrainableParameterHook.trainable pattern 'nonexistent' matches no parameter",
+        ),
+        (
             ["trainer.global_batch_size=100"],
             "trainer.global_batch_size",
             "StepScheduler: global_batch_size=100 is not a multiple of local_batch_size=64 * dp_size=1 (= 64)",

@@ -135,6 +135,10 @@ def build(
         ),
     )
     holder["strategy"] = strategy
+    # SETUP now, not at the first step: what the hooks check against the model (a trainable-parameter
+    # pattern that matches nothing, a patch naming no submodule) is a located config error for
+    # ``validate`` and ``train`` alike, and the run's start finds the strategy set up.
+    _constructing(loaded, ("hooks",), "SETUP", lambda: strategy.setup(train_loader))
     if any(isinstance(h, SavesCheckpoints) for h in plan.hooks):  # what the first save would refuse, refused now
         from nvtrain.state import checkpointable_hooks, strategy_hooks
 
