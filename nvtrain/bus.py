@@ -17,7 +17,9 @@ each change it puts pluggy's hook callers in that order (so
 ``bus.pluggy.hook.<stage>(ctx=ctx)`` calls what the bus calls, in the same order)
 and compiles one callable per stage:
 
-- no implementation: a constant function, no pluggy call at all;
+- no implementation: a constant function, no pluggy call at all (on a strategy's
+  bus, a replacement slot without a plain owner raises instead: see
+  :meth:`HookBus.require_slot_owners`);
 - plain implementations only: a tight loop over the bound functions, with the
   results pluggy's ``_multicall`` gives (the non-``None`` results, or the first
   one for the ``firstresult`` slots);
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 
     from nvtrain.context import TrainingContext
 
-__all__ = ["TRACE_ENV", "HookBus", "Releaser", "Router", "refuse_unmarked_stage_methods"]
+__all__ = ["TRACE_ENV", "HookBus", "Releaser", "Router", "UnownedExplainer", "refuse_unmarked_stage_methods"]
 
 #: Set to 1 to trace every hook call through pluggy's monitoring (to stderr).
 TRACE_ENV = "NVTRAIN_TRACE"
@@ -73,6 +75,8 @@ SlotCaller = Callable[["TrainingContext"], Any]
 Router = Callable[[object, str | None], str | None]
 #: Told, before the bus lets a user's object go (``unregister``, ``set_blocked``), which one: raises to keep it.
 Releaser = Callable[[object], None]
+#: The one-line message of a call to a replacement slot nobody owns, given that slot.
+UnownedExplainer = Callable[[TrainingStage], str]
 
 _STAGE_NAMES = tuple(stage.hook_name for stage in TrainingStage)
 _STAGE_BY_NAME = {stage.hook_name: stage for stage in TrainingStage}
@@ -132,13 +136,26 @@ class _BusPluginManager(pluggy.PluginManager):
         self.release: Releaser | None = None
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
-        """pluggy's entry, with pluggy's answers about names: a blocked one registers nothing, a taken one is refused."""
-        if name is not None and self.is_blocked(name):
+        """pluggy's entry, with pluggy's answers about names: a blocked one registers nothing (also the name a
+        plugin given without one would get, as pluggy checks its canonical name), a taken one is refused."""
+        if self.is_blocked(name if name is not None else self.default_name(plugin)):
             return None
         holder = None if name is None else self.get_plugin(name)
         if holder is not None:
             raise ValueError(f"plugin name {name!r} is already registered on this bus, by {hook_label(holder)}")
         return self.route(plugin, name)
+
+    def default_name(self, plugin: object) -> str:
+        """The name a plugin registered without one asks for: its ``plugin_name``, else pluggy's canonical
+        name where pluggy derives one (a module's ``__name__``), so ``set_blocked`` by that name works as in
+        pluggy; else its class and id (pluggy's bare ``id()`` would name nothing a reader recognises)."""
+        declared = getattr(plugin, "plugin_name", None)
+        if isinstance(declared, str) and declared:
+            return declared
+        canonical = self.get_canonical_name(plugin)
+        if isinstance(canonical, str) and canonical and canonical != str(id(plugin)):
+            return canonical
+        return f"{type(plugin).__qualname__}-{id(plugin):x}"
 
     def add(self, plugin: object, name: str, label: str, front: object | None = None) -> str | None:
         """Register ``plugin`` as ``name`` after nvtrain's checks; ``label`` names it in errors.
@@ -177,6 +194,7 @@ class _BusPluginManager(pluggy.PluginManager):
         """Before pluggy sees them: every implementation names a known hook and can take what a stage passes,
         and nothing is marked that pluggy would skip (a ``functools.partial``, a callable object: never called)."""
         for attribute in dir(plugin):
+            _refuse_mark_above_decorator(plugin, label, attribute)
             opts = super().parse_hookimpl_opts(plugin, attribute)  # every implementation, active or not
             if opts is None:
                 _refuse_marked_non_function(plugin, label, attribute)
@@ -335,6 +353,7 @@ class HookBus:
     """
 
     __slots__ = (
+        "_explain_unowned",
         "_pm",
         "_tracing",
         "_undo_tracing",
@@ -379,6 +398,7 @@ class HookBus:
     after_validation: StageCaller
 
     def __init__(self, *, trace: bool | None = None) -> None:
+        self._explain_unowned: UnownedExplainer | None = None
         self._pm = _BusPluginManager(self._compile, self.register)
         self._tracing = _trace_switch() if trace is None else trace
         self._undo_tracing: Callable[[], None] | None = None
@@ -410,11 +430,21 @@ class HookBus:
         self._pm.route = router
         self._pm.release = release
 
+    def require_slot_owners(self, explain: UnownedExplainer) -> None:
+        """From now on a call to DO_BACKWARD or DO_OPTIMIZER_STEP while no plain implementation owns it raises
+        ``RuntimeError(explain(stage))``: a strategy's loop would otherwise count steps that never update the
+        weights. It is compiled in at each plugin change, so an owned slot costs nothing more per call; a bare
+        bus (never told) answers an unowned slot with ``None``, as pluggy does.
+        """
+        self._explain_unowned = explain
+        self._compile()
+
     def register(self, plugin: object, name: str | None = None, *, stands_for: object | None = None) -> str:
         """Add a plugin that implements at least one stage; returns the name it got.
 
-        ``name`` labels the plugin in errors and traces (a plugin class's ``plugin_name``);
-        when another plugin already holds it, a numeric suffix keeps it unique, so two
+        ``name`` labels the plugin in errors and traces; without one it is the plugin's
+        ``plugin_name``, else pluggy's canonical name (a module's ``__name__``), else its class
+        and id. When another plugin already holds it, a numeric suffix keeps it unique, so two
         instances of one plugin class (two loggers, one EMA per model) can coexist. A
         blocked name (``bus.pluggy.set_blocked``) is refused. This is the bus's own way
         in: a strategy's hooks come through ``strategy.register_hook`` (or ``bus.pluggy``).
@@ -440,7 +470,7 @@ class HookBus:
         user = plugin if front is None else front
         if self._pm.holds(user) or self._pm.holds(plugin):
             raise ValueError(f"plugin {hook_label(user)} is already registered on this strategy")
-        base = name or f"{type(user).__qualname__}-{id(user):x}"
+        base = name or self._pm.default_name(user)
         if self._pm.is_blocked(base):
             raise ValueError(f"plugin {label}: the name {base!r} is blocked on this bus (bus.pluggy.set_blocked)")
         registered = self._pm.add(plugin, self._unique_name(base), label, front)
@@ -553,11 +583,23 @@ class HookBus:
         caller: pluggy.HookCaller = getattr(self._pm.hook, stage.hook_name)
         impls = caller.get_hookimpls()
         firstresult = stage in REPLACEMENT_STAGES
+        explain = self._explain_unowned
+        if firstresult and explain is not None and all(impl.wrapper or impl.hookwrapper for impl in impls):
+            return _refuse_unowned(stage, explain)
         if self._pm.monitors or any(impl.wrapper or impl.hookwrapper for impl in impls):
             return _through_pluggy(caller)
         if not impls:
             return _no_result if firstresult else _no_results
         return _compile_plain(tuple(_bind(impl) for impl in reversed(impls)), firstresult)
+
+
+def _refuse_unowned(stage: TrainingStage, explain: UnownedExplainer) -> Callable[[Any], Any]:
+    """A replacement slot nobody owns: every call raises, so no step is counted that updated nothing."""
+
+    def refuse(ctx: Any) -> Any:
+        raise RuntimeError(explain(stage))
+
+    return refuse
 
 
 def _through_pluggy(caller: pluggy.HookCaller) -> Callable[[Any], Any]:
@@ -627,8 +669,30 @@ def _check_replacement_slots(pm: pluggy.PluginManager) -> None:
 
 
 def _implements_a_stage(plugin: object) -> bool:
-    """Any attribute marked with @nvtrain.hookimpl (a misspelled one too: registration then names it)."""
-    return any(hasattr(getattr(plugin, name, None), _MARKER) for name in dir(plugin) if not name.startswith("__"))
+    """Any attribute marked with @nvtrain.hookimpl (a misspelled one too, or a mark on a classmethod or other
+    object rather than a function: registration then refuses it naming the attribute)."""
+    return any(
+        hasattr(getattr(plugin, name, None), _MARKER) or hasattr(inspect.getattr_static(plugin, name, None), _MARKER)
+        for name in dir(plugin)
+        if not name.startswith("__")
+    )
+
+
+def _refuse_mark_above_decorator(plugin: object, label: str, attribute: str) -> None:
+    """``@nvtrain.hookimpl`` above ``@classmethod`` / ``@staticmethod`` marks the wrapper, not the function:
+    pluggy versions that look the method up (``getattr``) never see the mark, so the stage would go uncalled
+    on them; refused on every version, naming the attribute."""
+    if attribute.startswith("__"):
+        return
+    value = inspect.getattr_static(plugin, attribute, None)
+    wrapper = isinstance(value, (classmethod, staticmethod))
+    if wrapper and hasattr(value, _MARKER) and not hasattr(value.__func__, _MARKER):
+        kind = type(value).__name__
+        raise TypeError(
+            f"plugin {label}: attribute {attribute!r} is marked @nvtrain.hookimpl above @{kind}, which marks the "
+            f"{kind} object and not its function, so some pluggy versions never call it; expected "
+            f"@nvtrain.hookimpl below @{kind}"
+        )
 
 
 def _refuse_marked_non_function(plugin: object, label: str, attribute: str) -> None:
@@ -743,6 +807,8 @@ def refuse_unmarked_stage_methods(plugin: object) -> None:
     """A method named like a stage but not marked is almost always a forgotten decorator."""
     for name in _STAGE_NAMES:
         method = getattr(plugin, name, None)
+        if hasattr(inspect.getattr_static(plugin, name, None), _MARKER):
+            continue  # marked where pluggy may not look (above @classmethod): the implementation checks name it
         if callable(method) and not hasattr(method, _MARKER):
             raise ValueError(
                 f"plugin {hook_label(plugin)}: method {name!r} is named after a stage but is not "

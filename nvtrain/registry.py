@@ -14,15 +14,18 @@ that hook: :meth:`HookRegistry._release` then rebuilds the orchestrator without 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nvtrain.adapter import HookAdapter
 from nvtrain.bus import HookBus
-from nvtrain.hook import Hook, TrainingUpdateHook, hook_label
+from nvtrain.hook import AccumulatesGradients, Hook, TrainingUpdateHook, hook_label
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.stages import TrainingStage
+
+if TYPE_CHECKING:
+    from nvtrain.context import TrainingContext
 
 __all__ = ["HookRegistry", "check_registration"]
 
@@ -38,7 +41,7 @@ class HookRegistry:
     optimizers, an update hook registered later is bound before it joins.
     """
 
-    __slots__ = ("_binding", "_orchestrator", "_order", "bus")
+    __slots__ = ("_binding", "_orchestrator", "_order", "_run_ctx", "bus")
 
     def __init__(self, hooks: Iterable[object] = ()) -> None:
         hooks = tuple(hooks)
@@ -46,6 +49,8 @@ class HookRegistry:
         #: Every hook given, in the order it came; :meth:`hooks` keeps those still registered.
         self._order: list[object] = []
         self._binding: tuple[dict[str, torch.optim.Optimizer], dict[str, Any]] | None = None
+        #: The context of the strategy's runs (from :meth:`begin_run`): ``ctx.windowed`` says a run is on.
+        self._run_ctx: TrainingContext | None = None
         orchestrators = [h for h in hooks if isinstance(h, TrainingUpdateOrchestrator)]
         if len(orchestrators) > 1:
             raise ValueError(
@@ -69,6 +74,7 @@ class HookRegistry:
             else:
                 self._add(hook, None, None)
         self.bus.route_pluggy(self._route, self._release)
+        self.bus.require_slot_owners(lambda stage: self._unowned_message(f"stage {stage.name}"))
 
     # -- what is registered ---------------------------------------------------------------------
 
@@ -99,8 +105,9 @@ class HookRegistry:
         return kept
 
     def _remember(self, hook: object) -> None:
-        """Note ``hook`` as registered last, forgetting hooks that were unregistered since."""
-        self._order = [*self._registered(), hook]
+        """Note ``hook`` as registered last (a hook registered again moves to the end: it closes first),
+        forgetting hooks that were unregistered since."""
+        self._order = [*(h for h in self._registered() if h is not hook), hook]
 
     def before_batch_voters(self) -> list[str]:
         """The plugins whose BEFORE_BATCH votes are counted, for an error message."""
@@ -119,10 +126,17 @@ class HookRegistry:
     def _register(self, hook: object, stage: StageSelection, name: str | None) -> str:
         """Add ``hook`` (see :meth:`register`); returns its own name on the bus (an update hook's too)."""
         if isinstance(hook, TrainingUpdateOrchestrator):
-            if hook is self._orchestrator and not self.bus.pluggy.is_registered(hook):  # put back after unregistering
+            current_off = not self.bus.pluggy.is_registered(self._orchestrator)
+            if hook is self._orchestrator and current_off:  # put back after unregistering
                 registered = self.bus.register(hook, name or TrainingUpdateOrchestrator.plugin_name)
                 self.bus.move_first(hook)  # registered first, as the constructor does
                 return registered
+            if current_off:  # an orchestrator taken off before update hooks changed, which built a new one
+                raise ValueError(
+                    f"{hook!r} is not this strategy's current orchestrator (registering or unregistering an update "
+                    "hook builds a new one); put the current one back with "
+                    "strategy.bus.pluggy.register(strategy.orchestrator), and register update hooks one by one"
+                )
             raise ValueError(
                 "this strategy already has a TrainingUpdateOrchestrator; register its hooks one by one instead"
             )
@@ -149,13 +163,42 @@ class HookRegistry:
 
     def _release(self, hook: object) -> None:
         """Before the bus lets ``hook`` go (pluggy's or the bus's ``unregister``): an update hook leaves the
-        orchestrator, rebuilt without it, so unregistering one never takes the others' updates with it."""
+        orchestrator, rebuilt without it, so unregistering one never takes the others' updates with it.
+
+        It leaves the current micro-batch too: its ``abort_batch()`` closes what it opened for the batch (an
+        autocast region it would have closed at DO_BACKWARD, which no longer calls it). Raising keeps the hook:
+        the accumulating hook during a run's windows, or a hook whose ``abort_batch()`` fails.
+        """
         if not any(h is hook for h in self._orchestrator.hooks):
             return
+        assert isinstance(hook, TrainingUpdateHook)  # the orchestrator holds nothing else
+        self._refuse_leaving_windows(hook)
         new = TrainingUpdateOrchestrator([h for h in self._orchestrator.hooks if h is not hook])
         if self._binding is not None:
             new.bind(*self._binding)
+        try:
+            hook.abort_batch()
+        except Exception as err:
+            raise RuntimeError(
+                f"update hook {hook_label(hook)} was not unregistered: leaving the current batch, its abort_batch() "
+                f"raised {type(err).__name__}: {err}"
+            ) from err
         self._swap(new)
+
+    def _refuse_leaving_windows(self, hook: TrainingUpdateHook) -> None:
+        """The accumulating hook may not leave while a run's windows span several micro-batches: the run would
+        step on every micro-batch of its windows (counting one step per window) without a word."""
+        ctx = self._run_ctx
+        if ctx is None or not ctx.windowed or not isinstance(hook, AccumulatesGradients):
+            return
+        scheduler = ctx.scheduler
+        steps = scheduler.grad_acc_steps if scheduler is not None else hook.accumulation_steps
+        if steps > 1:
+            raise RuntimeError(
+                f"update hook {hook_label(hook)} cannot be unregistered while run() is in progress: it accumulates "
+                f"the run's windows of {steps} micro-batches (grad_acc_steps), and without it every micro-batch "
+                "would step; unregister it before run() or after it returns"
+            )
 
     def _swap(self, new: TrainingUpdateOrchestrator) -> None:
         """Make ``new`` the orchestrator, in the old one's place on the bus (kept off it if it was unregistered)."""
@@ -163,17 +206,36 @@ class HookRegistry:
             self.bus.replace(self._orchestrator, new)
         self._orchestrator = new
 
+    def begin_run(self, ctx: TrainingContext) -> None:
+        """Before a run: refuse replacement slots nobody owns (:meth:`refuse_unowned_slots`), and keep ``ctx``,
+        whose ``windowed`` tells :meth:`_release` that a run is in progress."""
+        self._run_ctx = ctx
+        self.refuse_unowned_slots()
+
     def refuse_unowned_slots(self) -> None:
-        """Before a run: refuse, in one line naming them, replacement slots nobody owns (no step would happen)."""
+        """Before a run: refuse, in one line naming them, replacement slots nobody owns (no step would happen).
+
+        A stage call to such a slot raises the same message (the bus compiles it in), so ``train_batch()`` and
+        a change during a run are refused too; this check only says so before SETUP.
+        """
+        if self.bus.unowned_slots():
+            raise RuntimeError(self._unowned_message("TrainingStrategy.run"))
+
+    def _unowned_message(self, where: str) -> str:
+        """The one line refusing a run (or a slot's call, ``where``) without owners of the replacement slots."""
         unowned = self.bus.unowned_slots()
-        if not unowned:
-            return
         slots = " and ".join(stage.name for stage in unowned)
         methods = " and ".join(stage.hook_name for stage in unowned)
-        raise RuntimeError(
-            f"TrainingStrategy.run: no plugin owns {slots}, so training would never update the weights (was "
-            f"{TrainingUpdateOrchestrator.plugin_name!r} unregistered from the bus?); register "
-            f"strategy.orchestrator back with strategy.bus.pluggy.register, or a plugin implementing {methods}"
+        name = TrainingUpdateOrchestrator.plugin_name
+        if self.bus.pluggy.is_blocked(name):
+            cause = f"{name!r} is blocked on this bus"
+            back = f"strategy.bus.pluggy.unblock({name!r}), then register strategy.orchestrator back"
+        else:
+            cause = f"was {name!r} unregistered from the bus?"
+            back = "register strategy.orchestrator (the current one) back"
+        return (
+            f"{where}: no plugin owns {slots}, so training would never update the weights ({cause}); {back} with "
+            f"strategy.bus.pluggy.register, or a plugin implementing {methods}"
         )
 
     def bind(self, optimizers: dict[str, torch.optim.Optimizer], per_step_schedulers: dict[str, Any]) -> None:

@@ -292,7 +292,7 @@ class TrainingStrategy:
         """
         if train_loader is None:
             raise ValueError("TrainingStrategy.run(train_loader): a loader or iterable of batches is required")
-        self.registry.refuse_unowned_slots()  # the orchestrator unregistered by hand: no step would ever happen
+        self.registry.begin_run(self.ctx)  # refuses slots without an owner (the orchestrator unregistered by hand)
         ctx, bus = self.ctx, self.registry.bus
         self._set_up(train_loader)
         if self._saves_checkpoints():  # two hooks sharing a state key: refused now, not at the first save

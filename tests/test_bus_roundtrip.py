@@ -10,6 +10,7 @@ without it. A run refuses to start when nobody owns DO_BACKWARD or DO_OPTIMIZER_
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -260,3 +261,130 @@ def test_update_hooks_registered_without_the_orchestrator_leave_it_off_the_bus(m
     assert strategy.bus.pluggy.get_plugin(ORCHESTRATOR) is None
     strategy.bus.unregister(update)
     assert strategy.update_hooks() == ()
+
+
+# -- a hook registered again is the last registered ----------------------------------------------------
+
+
+def closing(base: type, tag: str, order: list[str]) -> Any:
+    """An instance of a subclass of ``base`` (named ``<base>_<tag>``) whose close() appends ``tag`` to ``order``."""
+    closer = type(f"{base.__name__}_{tag}", (base,), {"close": lambda self: order.append(tag)})
+    return closer()
+
+
+def test_a_hook_registered_again_closes_first(make_strategy: Any) -> None:
+    order: list[str] = []
+    a, c = closing(Plain, "A", order), closing(Seed, "C", order)
+    strategy = make_strategy([a])
+    strategy.register_hook(c)
+    strategy.bus.unregister(a)
+    strategy.register_hook(a)  # now the last registered
+    assert strategy.registry.hooks() == [c, a]
+    strategy.close()
+    assert order == ["A", "C"]  # reverse registration order
+
+
+def test_hooks_registered_again_through_pluggy_keep_their_new_place(make_strategy: Any, batches: Any) -> None:
+    order: list[str] = []
+    a, b = closing(Plain, "A", order), closing(Update, "B", order)
+    c, d = closing(Seed, "C", order), closing(ObservingUpdate, "D", order)
+    strategy = make_strategy([a])
+    pm = strategy.bus.pluggy
+    strategy.register_hook(b)
+    pm.register(c)
+    pm.register(d)
+    pm.unregister(a)
+    pm.register(a)  # after D
+    pm.unregister(name=pm.get_name(b))
+    strategy.register_hook(b)  # after A
+    assert strategy.registry.hooks() == [d, b, c, a]  # update hooks first, each kind in registration order
+    with strategy:
+        strategy.run(batches(2))
+    assert order == ["B", "A", "D", "C"]
+
+
+# -- a plugin registered without a name gets pluggy's ----------------------------------------------------
+
+
+def plugin_module(name: str) -> Any:
+    module = types.ModuleType(name)
+    exec("import nvtrain\ncalls = []\n@nvtrain.hookimpl\ndef after_batch(ctx):\n    calls.append(1)\n", vars(module))
+    return module
+
+
+def test_a_module_plugin_is_named_as_pluggy_names_it(make_strategy: Any) -> None:
+    strategy = make_strategy()
+    pm = strategy.bus.pluggy
+    module, twin = plugin_module("mymod"), plugin_module("mymod")
+    assert pm.register(module) == pm.get_canonical_name(module) == "mymod"
+    assert pm.get_plugin("mymod") is module
+    assert pm.register(twin) == "mymod-2"  # a second one with the same name is told apart, as two instances are
+
+
+def test_a_blocked_canonical_name_registers_nothing(make_strategy: Any, batches: Any) -> None:
+    class Named:
+        plugin_name = "mylogger"
+
+        @nvtrain.hookimpl
+        def after_batch(self, ctx: Any) -> None:
+            raise AssertionError("a blocked plugin was called")
+
+    strategy = make_strategy(max_steps=2)
+    pm = strategy.bus.pluggy
+    pm.set_blocked("mymod")
+    pm.set_blocked("mylogger")
+    module = plugin_module("mymod")
+    assert pm.register(module) is None  # pluggy's answer for a blocked name
+    assert pm.register(Named()) is None  # also for the name a plugin_name asks for
+    assert pm.register(Update(), "mylogger") is None
+    with strategy:
+        strategy.run(batches(2))
+    assert module.calls == []
+    assert [name for name, plugin in pm.list_name_plugin() if plugin is not None] == [ORCHESTRATOR]
+
+
+# -- a mark above @classmethod is refused naming the attribute ------------------------------------------
+
+
+class MarkedAboveClassmethod:
+    @nvtrain.hookimpl  # type: ignore[misc]  # the mistake under test
+    @classmethod
+    def after_batch(cls, ctx: Any) -> None:
+        return None
+
+
+class MarkedAboveStaticmethod:
+    @nvtrain.hookimpl  # type: ignore[misc]  # the mistake under test
+    @staticmethod
+    def after_batch(ctx: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("plugin", "kind"), [(MarkedAboveClassmethod, "classmethod"), (MarkedAboveStaticmethod, "staticmethod")]
+)
+def test_a_mark_above_classmethod_or_staticmethod_is_refused_naming_the_attribute(
+    make_strategy: Any, plugin: type, kind: str
+) -> None:
+    expected = (
+        rf"^plugin {plugin.__name__}: attribute 'after_batch' is marked @nvtrain.hookimpl above @{kind}, .*"
+        rf"expected @nvtrain.hookimpl below @{kind}$"
+    )
+    with pytest.raises(TypeError, match=expected):
+        make_strategy().bus.pluggy.register(plugin())
+
+
+def test_a_mark_below_classmethod_is_called(make_strategy: Any, batches: Any) -> None:
+    class MarkedBelow:
+        calls = 0
+
+        @classmethod
+        @nvtrain.hookimpl
+        def after_batch(cls, ctx: Any) -> None:
+            cls.calls += 1
+
+    strategy = make_strategy(max_steps=2)
+    strategy.bus.pluggy.register(MarkedBelow())
+    with strategy:
+        strategy.run(batches(2))
+    assert MarkedBelow.calls == 2
