@@ -45,7 +45,9 @@ without it (per step, round-robin), and one checked run: the parameters are
 DTensor shards, the run writes a sharded checkpoint, and its consolidated export
 equals the gathered weights.
 
-Exit status: 0 passed or skipped, 1 a synchronisation was found or the FSDP check failed.
+Exit status: 0 passed or skipped, 1 a synchronisation was found or the FSDP check failed, 2 bad
+arguments (a ``--device`` that is not a torch device, ``meta``, or one this machine lacks other than
+CUDA, which skips).
 """
 
 from __future__ import annotations
@@ -105,6 +107,16 @@ def resolve_device(name: str) -> torch.device | None:
     if device.index is None:  # torch.cuda.set_device and friends need an index
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def device_problem(name: str) -> str | None:
+    """Why ``--device name`` cannot be measured on, or None; CUDA on a machine without it is no problem (a skip)."""
+    from nvtrain.commands.bench import device_problem as bench_device_problem
+
+    with contextlib.suppress(RuntimeError, ValueError, TypeError):
+        if torch.device(name).type == "cuda" and not torch.cuda.is_available():
+            return None
+    return bench_device_problem(name)
 
 
 def _drain(device: torch.device) -> None:
@@ -760,6 +772,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 3 or args.rounds < 1 or args.checkpoint_every < 1:
         parser.error("--steps must be >= 3, --rounds and --checkpoint-every >= 1")
+    problem = device_problem(args.device)
+    if problem is not None:
+        parser.error(problem)
     device = resolve_device(args.device)
     if device is None:
         print("gpu_check: skipped: no CUDA device (GPU figures are not measured on this machine)")

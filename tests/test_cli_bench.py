@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+import nvtrain
 from nvtrain.cli import main
 from nvtrain.commands import bench_stack
 from nvtrain.commands.bench import add_arguments, device_problem, stack_builder
@@ -24,6 +25,12 @@ def bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str
     code = main(["bench", "dispatch", *args])
     out, err = capsys.readouterr()
     return code, (json.loads(out) if code == 0 and "--json" in args else None), err
+
+
+def bench_folders(scratch: Path) -> list[Path]:
+    """The bench's temporary folders left in ``scratch`` (torch's own cache folder, made there by whichever
+    test first builds an optimizer while ``tempfile.tempdir`` points at it, is not the bench's)."""
+    return list(scratch.glob("nvtrain-bench-*"))
 
 
 # -- the command -------------------------------------------------------------------------------------
@@ -160,7 +167,7 @@ def test_config_output_folders_and_resume_stay_inside_the_temporary_folder(
     assert code == 0, err
     assert report is not None and report["hooks"][0]["name"] == "checkpoint"
     assert sorted(p.name for p in work.rglob("*")) == ["job.yaml"]
-    assert list(scratch.iterdir()) == []  # the temporary folder is gone, with the checkpoints in it
+    assert bench_folders(scratch) == []  # the temporary folder is gone, with the checkpoints in it
 
 
 def test_stack_builder_points_output_settings_into_the_scratch_folder_and_turns_resume_off(tmp_path: Path) -> None:
@@ -322,4 +329,84 @@ def test_a_csv_logger_of_the_config_writes_inside_the_temporary_folder(
     code, _, err = bench(capsys, *TINY, "--config", "job.yaml")
     assert code == 0, err
     assert sorted(p.name for p in work.rglob("*")) == ["job.yaml"]
-    assert list(scratch.iterdir()) == []
+    assert bench_folders(scratch) == []
+
+
+def test_stage_timing_writes_inside_the_temporary_folder_and_overwrites_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # its CSV used to land in the working directory (over a real run's file), or where a config's output said
+    work, scratch, elsewhere = tmp_path / "work", tmp_path / "scratch", tmp_path / "elsewhere"
+    work.mkdir()
+    scratch.mkdir()
+    (work / "stage_timing.csv").write_text("REAL RUN DATA\n", encoding="utf-8")
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    code, _, err = bench(capsys, *TINY, "--hooks", "stage_timing")
+    assert code == 0, err
+    entry = json.dumps([{"name": "stage_timing", "output": str(elsewhere / "x.csv")}])
+    code, _, err = bench(capsys, *TINY, "--set", f"hooks={entry}")
+    assert code == 0, err
+    assert sorted(p.name for p in work.rglob("*")) == ["stage_timing.csv"]
+    assert (work / "stage_timing.csv").read_text(encoding="utf-8") == "REAL RUN DATA\n"
+    assert not elsewhere.exists()
+    assert bench_folders(scratch) == []
+
+
+def test_stack_builder_moves_a_declared_output_file_into_the_run_directory(tmp_path: Path) -> None:
+    build = stack_builder(None, ["stage_timing"], ["hooks.stage_timing.output=/elsewhere/x.csv"], tmp_path)
+    (timing,) = build()
+    assert timing.output == tmp_path / "run0" / "digits" / "stage_timing.csv"  # type: ignore[attr-defined]
+
+
+def test_a_hook_refusing_the_model_at_setup_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    # it used to be a 35-line traceback and exit 1, from the middle of the measurement
+    code, _, err = bench(
+        capsys, *TINY, "--hooks", "trainable_params", "--set", "hooks.trainable_params.trainable=[nonexistent]"
+    )
+    assert code == 2
+    assert err.startswith(
+        "nvtrain bench: error: --hooks trainable_params: hook 'trainable_params' at SETUP: "
+        "TrainableParameterHook.trainable pattern 'nonexistent' matches no parameter of ['main']"
+    )
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_trial_step_names_the_stage_and_the_hook() -> None:
+    from nvtrain.hooks import TrainableParameterHook
+
+    hooks = [TrainableParameterHook(trainable=["0.*"], frozen=["9.*"])]
+    with pytest.raises(bench_stack.StackRefused) as caught:
+        bench_stack.trial_step(hooks, device="cpu")
+    assert (caught.value.where, caught.value.hook) == ("SETUP", "trainable_params")
+    assert isinstance(caught.value.cause, ValueError)
+    bench_stack.trial_step([TrainableParameterHook(trainable=["0.*"])], device="cpu")  # a stack that fits passes
+
+
+class RefusesTheBatch:
+    plugin_name = "refuses"
+
+    @nvtrain.hookimpl
+    def before_forward(self, ctx: nvtrain.TrainingContext) -> None:
+        raise TypeError("RefusesTheBatch: inputs must be images")
+
+
+def test_trial_step_takes_one_step_too() -> None:
+    with pytest.raises(bench_stack.StackRefused) as caught:
+        bench_stack.trial_step([RefusesTheBatch()], device="cpu")
+    assert str(caught.value) == "hook 'refuses' at the first step: RefusesTheBatch: inputs must be images"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "huge"], "argument --model: invalid choice: 'huge' (choose from 'tiny', 'larger')"),
+        (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    ],
+)
+def test_a_usage_error_is_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "dispatch", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err == f"nvtrain bench: error: {message} (see nvtrain bench dispatch --help)\n"

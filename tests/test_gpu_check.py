@@ -66,6 +66,31 @@ def test_a_bare_cuda_device_gets_the_current_index(gpu_check: ModuleType, monkey
     assert gpu_check.resolve_device("cuda") is None
 
 
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("bogus", "--device 'bogus' is not a torch device (expected e.g. cpu, cuda or cuda:1)"),
+        ("meta", "--device 'meta' holds no data to train on (expected e.g. cpu, cuda or cuda:1)"),
+    ],
+)
+def test_a_device_that_cannot_be_measured_is_a_usage_error(
+    gpu_check: ModuleType, device: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # these were a traceback and exit 1, the status of a found synchronisation
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--device", device, "--model", "tiny", "--steps", "3", "--rounds", "1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith(f": error: {message}\n")  # argparse: usage, then the error
+
+
+def test_cuda_without_cuda_is_still_a_skip_not_a_usage_error(
+    gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.device_problem("cuda") is None and gpu_check.device_problem("cuda:1") is None
+    assert gpu_check.device_problem("cpu") is None
+
+
 def test_durable_save_leaves_only_the_published_file(gpu_check: ModuleType, tmp_path: Path) -> None:
     size = gpu_check.durable_save({"weight": torch.ones(4)}, tmp_path / "step_1.pt")
     assert [p.name for p in tmp_path.iterdir()] == ["step_1.pt"]

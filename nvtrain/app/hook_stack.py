@@ -21,6 +21,21 @@ from nvtrain.validators import FieldProblem
 OUTPUT_PARAMETERS = {"checkpoint_dir": "checkpoints", "output_dir": None, "log_dir": None}
 
 
+def output_parameters(cls: object) -> dict[str, str | None]:
+    """The settings of hook class ``cls`` that name a file or folder it writes, each with its default name in the
+    run directory (None: a folder named after the hook).
+
+    Those of :data:`OUTPUT_PARAMETERS` it takes, plus what the class declares in its ``output_settings`` mapping
+    (``{"output": "stage_timing.csv"}``), so a new hook places its outputs without a list here to extend.
+    """
+    parameters = signature_parameters(cls)
+    found: dict[str, str | None] = {name: to for name, to in OUTPUT_PARAMETERS.items() if name in parameters}
+    declared = getattr(cls, "output_settings", None)
+    if isinstance(declared, Mapping):
+        found.update((str(name), to) for name, to in declared.items() if name in parameters)
+    return found
+
+
 def signature_parameters(target: Any) -> Mapping[str, inspect.Parameter]:
     """``target``'s parameters by name; empty for a builtin without a signature (nothing to check)."""
     try:
@@ -149,10 +164,9 @@ def _construct(loaded: LoadedConfig, path: tuple[str | int, ...], name: str, bui
 
 def _default_outputs(cls: type, settings: dict[str, Any], run_dir: Path, name: str) -> dict[str, Any]:
     """Output locations a hook takes but the config leaves out go inside the run directory."""
-    parameters = signature_parameters(cls)
-    for parameter, folder in OUTPUT_PARAMETERS.items():
-        if parameter in parameters and parameter not in settings:
-            settings[parameter] = str(run_dir / (folder or name))
+    for parameter, default in output_parameters(cls).items():
+        if parameter not in settings:
+            settings[parameter] = str(run_dir / (default or name))
     return settings
 
 

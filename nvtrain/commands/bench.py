@@ -9,16 +9,20 @@ run config, built as `nvtrain train` builds them), trains a small MLP with it an
 prints, per stage, how many implementations run and what one call costs, then the
 per-step time of a bare hand-written loop, of nvtrain with no hooks and of nvtrain
 with the stack. Nothing is written outside a temporary directory: every output
-folder of the stack (a hook's checkpoint_dir, output_dir or log_dir, even one the
-config sets, and the logging hooks' run directory) goes there, a hook's resume is
-set to never (a bench run never loads a checkpoint), and the progress bar is off.
+folder or file of the stack (a hook's checkpoint_dir, output_dir or log_dir, a
+CSV logger's path, what a hook class declares in output_settings such as
+stage_timing's output, even one the config sets, and the logging hooks' run
+directory) goes there, a hook's resume is set to never (a bench run never loads
+a checkpoint), and the progress bar is off. Before measuring, the stack runs
+SETUP and one step on the bench model, so a hook that refuses it is one line.
 
 Settings a hook requires get bench defaults with --hooks (amp: precision auto;
 clip: max_norm 1.0; checkpoint: step_interval 100); --set KEY=VALUE changes any
 setting the way `nvtrain train --set` does (hooks are addressed by name).
 
 Exit status: 0 measured; 2 bad arguments (an unknown or unavailable --device
-too), config or hook settings.
+too), config or hook settings, or a hook refusing the bench model at SETUP or
+its first step.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from nvtrain.config import LoadedConfig
@@ -52,8 +56,15 @@ FULL = (200, 5)
 QUICK = (30, 2)
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A parser whose usage errors are the one line the other bench errors are, not usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"nvtrain bench: error: {message} (see {self.prog} --help)\n")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="WHAT", required=True, parser_class=_OneLineErrors)
     dispatch = sub.add_parser(
         "dispatch",
         help="per-stage dispatch and per-step overhead of a hook stack",
@@ -87,6 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nvtrain.commands.bench_stack import StackRefused
     from nvtrain.config import ConfigError
 
     steps, rounds = QUICK if args.quick else FULL
@@ -103,9 +115,12 @@ def run(args: argparse.Namespace) -> int:
     with _scratch() as scratch:
         try:
             build = stack_builder(args.config, names, args.overrides, scratch)
-            build()  # every error in the config or the settings surfaces here, before measuring
+            _try_stack(build(), args)  # every error in the config, the settings or at SETUP surfaces here
         except (ConfigError, ImportError) as err:
             print(f"nvtrain bench: error: {_located(err, names)}", file=sys.stderr)
+            return 2
+        except StackRefused as err:
+            print(f"nvtrain bench: error: {_source(args.config, names)}: {err}", file=sys.stderr)
             return 2
         report = _measure(build, args, steps, rounds)
     report["source"] = _source(args.config, names)
@@ -114,6 +129,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_report(report))
     return 0
+
+
+def _try_stack(stack: Sequence[object], args: argparse.Namespace) -> None:
+    """SETUP and one step with ``stack`` on the bench model, so a hook's refusal is one line, not a traceback."""
+    from nvtrain.commands.bench_stack import MODELS, trial_step
+
+    trial_step(stack, model=MODELS[args.model], device=args.device)
 
 
 def device_problem(spec: str) -> str | None:
@@ -178,18 +200,19 @@ def stack_builder(
 
 
 def contained(loaded: LoadedConfig) -> LoadedConfig:
-    """``loaded`` with each hook's output folders left to the run directory and its resume off.
+    """``loaded`` with each hook's output files and folders left to the run directory and its resume off.
 
-    A hook's ``checkpoint_dir``, ``output_dir`` or ``log_dir`` setting (the ones
-    ``nvtrain train`` fills in) is dropped, so the folder defaults into the run
-    directory as it does for a run that does not set it; a CSV logger's file
+    Every output setting of a hook (``checkpoint_dir``, ``output_dir``, ``log_dir``
+    and what the class declares in ``output_settings``, such as StageTimingHook's
+    ``output``: the ones ``nvtrain train`` fills in) is dropped, so it defaults into
+    the run directory as it does for a run that does not set it; a CSV logger's file
     ``path`` moves into the run directory under its own name; a hook that takes
     ``resume`` gets ``resume: never``. A hook whose class cannot be found is left as
     it is: :func:`~nvtrain.app.prepare` reports it.
     """
     import attrs
 
-    from nvtrain.app.hook_stack import OUTPUT_PARAMETERS, signature_parameters
+    from nvtrain.app.hook_stack import output_parameters, signature_parameters
     from nvtrain.logging_hooks import CSVLoggerHook
 
     search = [loaded.directory] if loaded.directory is not None else []
@@ -198,7 +221,7 @@ def contained(loaded: LoadedConfig) -> LoadedConfig:
     for index, hook in enumerate(loaded.config.hooks):
         cls = _hook_class(hook.name, search)
         parameters = signature_parameters(cls)
-        outputs = set(OUTPUT_PARAMETERS) & set(parameters)
+        outputs = output_parameters(cls)
         settings = {key: value for key, value in hook.settings.items() if key not in outputs}
         if isinstance(cls, type) and issubclass(cls, CSVLoggerHook) and "path" in settings:
             settings["path"] = str(loaded.config.run_dir / f"hook{index}" / Path(str(settings["path"])).name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,8 +29,9 @@ from nvtrain.bus import HookBus
 from nvtrain.hook import Hook, TrainingUpdateHook
 from nvtrain.stages import BATCH_STAGES, UPDATE_STAGES, TrainingStage
 from nvtrain.strategy import TrainingStrategy
+from nvtrain.validators import FieldProblem
 
-__all__ = ["MLP", "MODELS", "stack_report"]
+__all__ = ["MLP", "MODELS", "StackRefused", "stack_report", "trial_step"]
 
 Hooks = Callable[[], Sequence[object]]
 #: Builds a loop for a timed round, its warm-up step taken: (run over the batches, close or None).
@@ -80,6 +82,50 @@ def _strategy(mlp: MLP, hooks: Sequence[object], device: torch.device) -> Traini
         num_epochs=1,
         device=device,
     )
+
+
+class StackRefused(Exception):
+    """A hook of the stack refused the bench model at ``where`` (SETUP, the first step); ``cause`` says why."""
+
+    def __init__(self, where: str, hook: str | None, cause: Exception) -> None:
+        text = " ".join(str(cause).split()) or type(cause).__name__
+        super().__init__(f"{f'hook {hook!r} ' if hook else ''}at {where}: {text}")
+        self.where, self.hook, self.cause = where, hook, cause
+
+
+def trial_step(hooks: Sequence[object], *, model: MLP = MODELS["tiny"], device: str = "cpu") -> None:
+    """SETUP and one step of a throw-away strategy with ``hooks``, then close it.
+
+    What a hook checks only against the model or at the first step (a trainable-parameter
+    pattern that matches nothing) is refused here, as :class:`StackRefused`, before anything
+    is measured rather than as a traceback in the middle of it.
+    """
+    where = torch.device(device)
+    first = model.batches(1, where)[0]
+    stages: list[tuple[str, Callable[[TrainingStrategy], object]]] = [
+        ("SETUP", lambda strategy: strategy.setup()),
+        ("the first step", lambda strategy: strategy.train_batch(first)),
+    ]
+    try:
+        strategy = _strategy(model, hooks, where)
+    except (FieldProblem, ValueError, TypeError) as err:
+        raise StackRefused("registration", _culprit(hooks, err), err) from err
+    with strategy:
+        for stage, call in stages:
+            try:
+                call(strategy)
+            except (FieldProblem, ValueError, TypeError) as err:
+                raise StackRefused(stage, _culprit(hooks, err), err) from err
+
+
+def _culprit(hooks: Sequence[object], err: Exception) -> str | None:
+    """The name of the hook whose class the error names (``owner``, or the message's first word), or None."""
+    owner = err.owner if isinstance(err, FieldProblem) else ""
+    first_word = re.split(r"[.:\s(]", str(err).strip(), maxsplit=1)[0]
+    for hook in hooks:
+        if type(hook).__name__ == (owner or first_word):
+            return _name(hook)
+    return None
 
 
 def _bare_loop(mlp: MLP, first: Any, device: torch.device) -> Loop:

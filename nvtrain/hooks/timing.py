@@ -11,7 +11,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -20,7 +20,7 @@ import torch
 
 from nvtrain.hookspecs import hookimpl
 from nvtrain.stages import BATCH_STAGES, REPLACEMENT_STAGES, TrainingStage
-from nvtrain.validators import int_at_least, refused, strict_bool, strict_int
+from nvtrain.validators import FieldProblem, int_at_least, refused, strict_bool, strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -34,13 +34,40 @@ CSV_COLUMNS = ("stage", "count", "mean_ms", "p50_ms", "p95_ms")
 
 
 def _as_stages(value: Any) -> tuple[TrainingStage, ...]:
-    if isinstance(value, (int, TrainingStage)):
-        value = (value,)
-    try:
-        return tuple(sorted({TrainingStage(s) for s in value}))
-    except (TypeError, ValueError):
-        message = f"StageTimingHook.stages must be TrainingStage values (got {value!r})"
-        raise refused("StageTimingHook", "stages", value, "TrainingStage values", message=message) from None
+    """Stages as members, names in any case (how a config spells them) or values."""
+    single = isinstance(value, (int, str)) or not isinstance(value, Iterable)
+    stages: set[TrainingStage] = set()
+    for item in [value] if single else list(value):
+        try:
+            stages.add(_as_stage(item))
+        except (TypeError, ValueError, KeyError):
+            raise _no_stage(value, item) from None
+    return tuple(sorted(stages))
+
+
+def _no_stage(value: Any, item: Any) -> FieldProblem:
+    """The error for ``item`` of ``value``, listing the names a config can use."""
+    expected = "TrainingStage values, their names or numbers"
+    where = "" if item is value else f", where {item!r} is no stage"
+    names = ", ".join(stage.name for stage in sorted(BATCH_STAGES))
+    message = f"StageTimingHook.stages must be {expected} (got {value!r}{where}; batch stage names: {names})"
+    return refused("StageTimingHook", "stages", value, expected, message=message)
+
+
+def _as_stage(item: Any) -> TrainingStage:
+    if isinstance(item, bool):
+        raise TypeError(item)
+    if isinstance(item, str):
+        return TrainingStage[item.upper()]
+    return TrainingStage(item)
+
+
+def _not_a_directory(instance: Any, attribute: attrs.Attribute[Any], value: Path) -> None:
+    """Refused when built, not at the first flush after the whole run."""
+    if value.is_dir():
+        expected = "a CSV file path, not an existing directory"
+        message = f"{type(instance).__name__}.{attribute.name} must be {expected} (got '{value}', a directory)"
+        raise refused(type(instance).__name__, attribute.name, value, expected, message=message)
 
 
 def _check_stages(instance: Any, attribute: attrs.Attribute[Any], value: tuple[TrainingStage, ...]) -> None:
@@ -105,6 +132,12 @@ class StageTimingHook:
     with the statistics of the whole run, and logs one line when ``log`` is set.
     Under torch.distributed each rank writes ``<stem>.rank<N><suffix>``.
 
+    Rows count micro-batches: under gradient accumulation the optimizer step and
+    the step-boundary work land only on a window's last micro-batch, so read p95
+    or count x mean / steps for the cost per step. ``stages`` takes members, names
+    in any case or values; in ``nvtrain train`` an ``output`` the config leaves
+    out goes into the run directory (``output_settings``).
+
     Timing DO_BACKWARD or DO_OPTIMIZER_STEP (both in the default set) puts a
     pluggy wrapper on those slots, about a microsecond per call; leave them out
     of ``stages`` to avoid it. Count and mean are exact; p50 and p95 come from a
@@ -112,9 +145,12 @@ class StageTimingHook:
     """
 
     plugin_name: ClassVar[str] = "stage_timing"
+    #: The setting naming the file this hook writes, and its name in the run directory when a config leaves it
+    #: out (``nvtrain train``), so ``nvtrain bench`` also knows to keep it in its temporary folder.
+    output_settings: ClassVar[Mapping[str, str]] = {"output": "stage_timing.csv"}
 
-    #: CSV file to write (columns: stage, count, mean_ms, p50_ms, p95_ms).
-    output: Path = attrs.field(default=Path("stage_timing.csv"), converter=Path)
+    #: CSV file to write (columns: stage, count, mean_ms, p50_ms, p95_ms); an existing directory is refused.
+    output: Path = attrs.field(default=Path("stage_timing.csv"), converter=Path, validator=_not_a_directory)
     #: Which batch stages to stamp; default all twelve.
     stages: tuple[TrainingStage, ...] = attrs.field(
         default=tuple(sorted(BATCH_STAGES)), converter=_as_stages, validator=_check_stages

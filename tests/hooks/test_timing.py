@@ -16,6 +16,7 @@ import torch
 import nvtrain
 from nvtrain.hooks import StageTimingHook
 from nvtrain.stages import BATCH_STAGES, TrainingStage
+from nvtrain.validators import FieldValueError
 
 S = TrainingStage
 
@@ -66,6 +67,41 @@ def assert_plausible(row: dict[str, str]) -> None:
 def test_bad_configuration_names_the_field(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         StageTimingHook(**kwargs)
+
+
+def test_stages_are_taken_by_member_name_in_any_case_or_value() -> None:
+    # a config can only spell them as strings: BEFORE_FORWARD was once refused as "not TrainingStage values"
+    hook = StageTimingHook(stages=["BEFORE_FORWARD", "after_forward", 7, S.AFTER_BATCH])
+    assert hook.stages == (S.BEFORE_FORWARD, S.AFTER_FORWARD, S.BEFORE_LOSS, S.AFTER_BATCH)
+    assert StageTimingHook(stages="do_backward").stages == (S.DO_BACKWARD,)
+
+
+@pytest.mark.parametrize("stages", [["BEFORE_FORWARD", "forward"], [True], None])
+def test_a_stage_that_is_none_lists_the_names(stages: Any) -> None:
+    with pytest.raises(FieldValueError) as caught:
+        StageTimingHook(stages=stages)
+    assert caught.value.owner == "StageTimingHook" and caught.value.field == "stages"
+    names = ", ".join(stage.name for stage in sorted(BATCH_STAGES))
+    assert str(caught.value).endswith(f"; batch stage names: {names})")
+    assert str(caught.value).startswith("StageTimingHook.stages must be TrainingStage values, their names or numbers")
+
+
+def test_stage_names_pass_a_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from nvtrain.cli import main
+
+    entry = "hooks=[{name: stage_timing, stages: [BEFORE_FORWARD, after_forward]}]"
+    assert main(["validate", "--set", entry, "--set", "device=cpu"]) == 0, capsys.readouterr().err
+
+
+def test_an_existing_directory_as_output_is_refused_when_built(tmp_path: Path) -> None:
+    # it used to be refused by a bare IsADirectoryError at the first flush, after the whole run
+    with pytest.raises(FieldValueError) as caught:
+        StageTimingHook(output=tmp_path)
+    assert (caught.value.owner, caught.value.field) == ("StageTimingHook", "output")
+    assert str(caught.value) == (
+        f"StageTimingHook.output must be a CSV file path, not an existing directory (got '{tmp_path}', a directory)"
+    )
+    assert StageTimingHook(output=tmp_path / "new" / "t.csv").output == tmp_path / "new" / "t.csv"
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -246,3 +282,12 @@ def test_device_path_runs_a_whole_run_on_cpu(tmp_path: Path, monkeypatch: pytest
     for row in rows:
         assert int(row["count"]) >= 4
         assert_plausible(row)
+
+
+def test_rows_count_micro_batches_under_accumulation(tmp_path: Path) -> None:
+    # docs/update-hooks.md: the counts are micro-batches, so the optimizer step's cost is spread over K of them
+    hook = StageTimingHook(output=tmp_path / "t.csv", stages=[S.DO_OPTIMIZER_STEP, S.AFTER_BATCH])
+    strategy = make_strategy([hook, nvtrain.hooks.GradientAccumulationHook(steps=4)], num_epochs=1)
+    strategy.run(make_batches(8))
+    assert strategy.ctx.step_count == 2
+    assert hook.report()["DO_OPTIMIZER_STEP"]["count"] == 8

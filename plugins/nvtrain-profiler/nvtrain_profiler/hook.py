@@ -60,8 +60,26 @@ def _as_activities(value: Any) -> tuple[ProfilerActivity, ...] | None:
             activities.append(item)
     if not activities:
         raise refuse("TorchProfilerHook.activities is empty: give at least one activity, or None for the default")
+    unsupported = [item for item in activities if item not in torch.profiler.supported_activities()]
+    if unsupported:
+        raise refuse(_unsupported_message(unsupported))
     return tuple(activities)
 
+
+def _unsupported_message(unsupported: list[ProfilerActivity]) -> str:
+    """Refused here, not at the first batch: torch.profiler drops them and fails on an empty set."""
+    names = ", ".join(item.name.lower() for item in unsupported)
+    supported = ", ".join(sorted(item.name.lower() for item in torch.profiler.supported_activities())) or "none"
+    return (
+        f"TorchProfilerHook.activities: {names} cannot be profiled on this machine "
+        f"(torch.profiler supports: {supported}; or None for what is available)"
+    )
+
+
+_output_dir = satisfies(
+    "a folder path, not an existing file",
+    lambda value: not (value.exists() and not value.is_dir()),
+)
 
 _schedule = satisfies(
     "a callable step -> ProfilerAction, e.g. torch.profiler.schedule(wait=1, warmup=1, active=3), or None",
@@ -91,7 +109,7 @@ class TorchProfilerHook:
     plugin_name: ClassVar[str] = "profiler"
 
     #: Root folder of the traces; each rank writes to ``rank_<global rank>/torch/`` below it.
-    output_dir: Path = attrs.field(default=Path("profiles"), converter=Path)
+    output_dir: Path = attrs.field(default=Path("profiles"), converter=Path, validator=_output_dir)
     #: What to trace; None is torch.profiler's default (CPU, plus CUDA when available).
     activities: tuple[ProfilerActivity, ...] | None = attrs.field(default=None, converter=_as_activities)
     #: ``step -> ProfilerAction`` (``torch.profiler.schedule(...)``); None records everything.

@@ -13,6 +13,7 @@ from nvtrain_profiler import TorchProfilerHook
 from torch.profiler import ProfilerActivity
 
 import nvtrain
+from nvtrain.validators import FieldValueError
 
 
 def make_strategy(hooks: list[object], **kwargs: Any) -> nvtrain.TrainingStrategy:
@@ -131,6 +132,30 @@ def test_traces_go_to_the_global_rank_folder(tmp_path: Path) -> None:
 def test_bad_settings_are_refused(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         TorchProfilerHook(**kwargs)
+
+
+@pytest.mark.parametrize("activities", [["cuda"], [ProfilerActivity.CPU, ProfilerActivity.CUDA], "CUDA"])
+def test_an_activity_this_machine_cannot_profile_is_refused_when_built(
+    activities: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # without CUDA it was accepted (and passed `nvtrain validate`), then torch.profiler dropped it and raised
+    # "AssertionError: No activities specified for the profiler" at the first batch
+    monkeypatch.setattr(torch.profiler, "supported_activities", lambda: {ProfilerActivity.CPU})
+    with pytest.raises(FieldValueError) as caught:
+        TorchProfilerHook(activities=activities)
+    assert (caught.value.owner, caught.value.field) == ("TorchProfilerHook", "activities")
+    assert str(caught.value) == (
+        "TorchProfilerHook.activities: cuda cannot be profiled on this machine "
+        "(torch.profiler supports: cpu; or None for what is available)"
+    )
+    assert TorchProfilerHook(activities=["cpu"]).activities == (ProfilerActivity.CPU,)
+
+
+def test_an_existing_file_as_output_dir_is_refused_when_built(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(FieldValueError, match=r"^TorchProfilerHook\.output_dir must be a folder path, not an existing"):
+        TorchProfilerHook(output_dir=tmp_path / "afile", activities=["cpu"])
+    assert TorchProfilerHook(output_dir=tmp_path, activities=["cpu"]).output_dir == tmp_path
 
 
 def test_settings_and_metadata() -> None:
