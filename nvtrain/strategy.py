@@ -894,10 +894,9 @@ class TrainingStrategy:
                 trust=(trust,) if isinstance(trust, str) else tuple(trust),
                 strategy_cls=cls,
                 overrides=overrides,
+                extra_hooks=extra,
             )
             strategy, loader = built.strategy, built.train_loader
-            for hook in extra:
-                strategy.register_hook(hook)
         strategy.setup(loader)
         strategy.restore(path)
         return strategy
@@ -926,6 +925,7 @@ class TrainingStrategy:
             self.registry.close(exc)
 
     def _release_run(self) -> None:
+        self._live_data.forget()
         self.ctx.release_step_graph()
         if isinstance(self.ctx.scheduler, StepScheduler):
             self.ctx.scheduler.release_data()

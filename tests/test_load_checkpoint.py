@@ -115,6 +115,19 @@ def test_checkpoint_of_nvtrain_train_loads_with_no_other_argument(trained: Path)
         assert checkpoint.checkpoint_dir == trained.parent
 
 
+def test_hooks_given_to_load_checkpoint_take_part_in_setup(trained: Path) -> None:
+    seen: list[str] = []
+
+    class SetupProbe:
+        @nvtrain.hookimpl
+        def setup(self, ctx: nvtrain.TrainingContext) -> None:
+            seen.append(ctx.stage.name if ctx.stage is not None else "")
+
+    with nvtrain.TrainingStrategy.load_checkpoint(trained, hooks=[SetupProbe()]) as strategy:
+        assert seen == ["SETUP"]  # registered before the strategy was set up, as the config's hooks are
+        assert any(isinstance(hook, SetupProbe) for hook in strategy.registry.hooks())
+
+
 def test_the_loaded_run_continues_like_an_uninterrupted_one(trained: Path, job: Path) -> None:
     from nvtrain.builtin.digits import make_loaders
 

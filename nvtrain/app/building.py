@@ -12,7 +12,7 @@ import copy
 import functools
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +46,12 @@ class Built:
 
 
 def build(
-    plan: Plan, manager: Any = None, *, strategy_cls: type | None = None, overrides: Mapping[str, Any] | None = None
+    plan: Plan,
+    manager: Any = None,
+    *,
+    strategy_cls: type | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    extra_hooks: Sequence[object] = (),
 ) -> Built:
     """Build model, loaders, optimizer, LR scheduler, hooks and the strategy; decide the resume.
 
@@ -135,6 +140,8 @@ def build(
         ),
     )
     holder["strategy"] = strategy
+    for hook in extra_hooks:  # load_checkpoint's own hooks: registered before SETUP, as the config's are
+        strategy.register_hook(hook)
     # SETUP now, not at the first step: what the hooks check against the model (a trainable-parameter
     # pattern that matches nothing, a patch naming no submodule) is a located config error for
     # ``validate`` and ``train`` alike, and the run's start finds the strategy set up.

@@ -72,8 +72,10 @@ def build_from_checkpoint(
     trust: Sequence[str] = (),
     strategy_cls: type | None = None,
     overrides: Mapping[str, Any] | None = None,
+    extra_hooks: Sequence[object] = (),
 ) -> Built:
-    """Build what ``nvtrain train`` builds from the run config saved with a checkpoint (``source``).
+    """Build what ``nvtrain train`` builds from the run config saved with a checkpoint (``source``), with
+    ``extra_hooks`` registered besides the config's (before SETUP, so theirs runs too).
 
     Every import path the config names is checked against :func:`trusted_packages`
     before anything is imported: a checkpoint is data, and its config must not run code
@@ -101,4 +103,4 @@ def build_from_checkpoint(
             data["trainer"][bound] = overrides.pop(bound)
     loaded = LoadedConfig(config=None, source=f"the run config of {source}", directory=None)  # type: ignore[arg-type]
     loaded = attrs.evolve(loaded, config=structure_config(data, loaded.locate))
-    return build(prepare(loaded), strategy_cls=strategy_cls, overrides=overrides)
+    return build(prepare(loaded), strategy_cls=strategy_cls, overrides=overrides, extra_hooks=extra_hooks)
