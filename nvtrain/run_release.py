@@ -6,6 +6,10 @@ a ``DataLoader`` iterator's queues may be finalized before the iterator, whose s
 waits 5 s per worker process for an answer that never comes. A ``weakref.finalize`` on the
 strategy runs before that collection finalizes anything; it holds what the strategy's runs
 read from (not the strategy), so it can end the workers while their queues still work.
+
+What it holds is reachable from the finalizer until the strategy is closed: data that refers
+back to the strategy (a dataset holding ``ctx``) keeps an unclosed strategy alive, so close
+it (``with strategy:``); ``close()`` lets go of all of it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ class LiveData:
 
     scheduler: Any = None
     loaders: list[Any] = attrs.field(factory=list)
+
+    def forget(self) -> None:
+        """Hold nothing any more (the strategy was closed): what the finalizer holds must not keep data that
+        refers back to the strategy (a dataset holding ``ctx``) alive, nor the strategy with it."""
+        self.scheduler, self.loaders = None, []
 
     def release(self) -> None:
         """Let go of the live epoch iterator, and of the one iterator a loader with persistent workers

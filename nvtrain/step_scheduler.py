@@ -42,7 +42,7 @@ import torch.distributed as dist
 from nvtrain.data_cursor import is_one_shot
 from nvtrain.data_resharding import global_order, order_differences, resharded_position
 from nvtrain.epoch_reader import NO_ITEM, EpochReader, loader_len, loader_parts
-from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, is_rank_zero, resolve_signals
+from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
 from nvtrain.validators import int_at_least, optional_int_at_least, refused, strict_bool
 
 if TYPE_CHECKING:
@@ -572,7 +572,9 @@ class StepScheduler:
         natural_end = self._reaches_the_end()
         if self._watcher.preempted and not natural_end:
             return False
-        return (self.save_checkpoint_every_epoch and boundary.epoch_end) or (boundary.last and natural_end)
+        # the run's last step validates when it ends the run or an epoch; a stop request's inside an epoch does not
+        last = boundary.last and (natural_end or boundary.epoch_end)
+        return (self.save_checkpoint_every_epoch and boundary.epoch_end) or last
 
     @property
     def is_remote_logging_step(self) -> bool:
@@ -646,11 +648,14 @@ class StepScheduler:
         received = self._watcher.received_signal
         self._in_scope = False
         self._watcher.restore()
-        # not when leaving by an exception (a second Ctrl-C's KeyboardInterrupt did act on it); rank 0 only
-        if received is not None and not self._watcher.preempted and exc_type is None and is_rank_zero():
+        # from the rank that caught it; not when leaving by an exception (a second Ctrl-C's did act on it)
+        if received is not None and not self._watcher.preempted and exc_type is None:
+            distributed = dist.is_available() and dist.is_initialized()
+            where = f" on rank {dist.get_rank()}" if distributed else ""
             logger.warning(
-                "StepScheduler: %s arrived after the last preemption poll; it was not acted on",
+                "StepScheduler: %s arrived%s after the last preemption poll; it was not acted on",
                 signal.Signals(received).name,
+                where,
             )
 
     def _config(self) -> dict[str, Any]:
@@ -750,11 +755,12 @@ class StepScheduler:
         if differ:
             state = self._resharded(state, saved, mine, differ)
         order_differ = order_differences(saved, mine)
-        if order_differ:  # the same batch configuration over another permutation: the position means other samples
+        if order_differ and int(state["position"]):  # the same batch configuration over another permutation
             raise ValueError(
                 f"StepScheduler.load_state_dict: the epoch's sample order differs ({order_differ}): the saved "
-                "position would read other samples (some twice, some never). Resume with the same data and "
-                "sampler settings, or restore without the data position"
+                f"position (micro-batch {int(state['position'])} of epoch {int(state['epoch']) + 1}) would read "
+                "other samples of it (some twice, some never). Resume with the same data and sampler settings, "
+                "or restore without the data position"
             )
         # After the batch configuration, whose refusal names its own differences first. One process only:
         # ranks may read data sets of their own (sharded by hand), and a state holds rank 0's length; under

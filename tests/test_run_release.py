@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import weakref
 
 import torch
 
@@ -43,3 +44,37 @@ def test_an_unclosed_strategy_ends_its_loaders_persistent_workers_when_collected
         worker.join(timeout=30)
         assert not worker.is_alive()
     assert [len(batch[0]) for batch in train] == [4, 4]  # the loader still works: new workers start
+
+
+class _HoldsContext(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Reads the run's context (a curriculum picking its difficulty by step): refers back to the strategy."""
+
+    def __init__(self) -> None:
+        self.ctx: object = None
+        self.inputs, self.targets = torch.zeros(8, 3), torch.zeros(8, 2)
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[index], self.targets[index]
+
+
+def test_a_closed_strategy_whose_data_refers_back_to_it_is_collected() -> None:
+    data = _HoldsContext()
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(3, 2),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=torch.nn.functional.mse_loss,
+        device="cpu",
+        num_epochs=1,
+        validation=nvtrain.ValidationConfig(data=loader),
+    )
+    data.ctx = strategy.ctx
+    with strategy:
+        strategy.run(loader)
+    collected = weakref.ref(strategy)
+    del strategy, data, loader
+    gc.collect()
+    assert collected() is None

@@ -126,3 +126,27 @@ def test_no_not_acted_on_warning_when_the_run_ends_by_an_exception(caplog: pytes
 def test_the_flags_take_booleans_only(field: str) -> None:
     with pytest.raises(FieldTypeError, match=rf"StepSchedulerConfig\.{field} must be True or False \(got 'no'\)"):
         StepSchedulerConfig(**{field: "no"})
+
+
+def test_a_stop_request_at_an_epochs_last_step_validates_as_the_runs_last_step() -> None:
+    stop = StopAt(5)  # the last step of the first epoch (5 batches)
+    torch.manual_seed(0)
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(3, 2),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=torch.nn.functional.mse_loss,
+        hooks=[stop, Saver()],
+        device="cpu",
+        validation=nvtrain.ValidationConfig(data=_batches(2), every_n_epochs=2),  # not this epoch's cadence
+        step_scheduler=StepSchedulerConfig(num_epochs=3, ckpt_every_steps=None, save_checkpoint_every_epoch=False),
+    )
+    result = strategy.run(_batches(5))
+    assert result.stop_reason == "enough" and stop.validated == [5] and result.validated_at_step == 5
+
+
+def test_a_state_at_an_epoch_boundary_loads_over_another_sample_order() -> None:
+    saving = StepScheduler(20, 10, 2, _sampled(100), preemption_signal=None)
+    state = saving.state_dict()  # position 0: nothing of the epoch read yet
+    loading = StepScheduler(20, 10, 2, _sampled(100, seed=1), preemption_signal=None)
+    loading.load_state_dict(state)
+    assert loading.position == 0
