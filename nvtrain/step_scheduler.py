@@ -384,6 +384,12 @@ class StepScheduler:
             self.step -= 1
             self._boundary = None
 
+    @property
+    def reaches_the_end(self) -> bool:
+        """The step just closed ends the run by its bounds (``max_steps``, or the last epoch's last window),
+        whatever else (a stop request) also ended it there."""
+        return self._reaches_the_end()
+
     def _reaches_the_end(self) -> bool:
         """Whether the window just counted ends the run (step budget, or the last epoch's last window)."""
         return (self.max_steps is not None and self.step >= self.max_steps) or (

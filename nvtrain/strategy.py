@@ -378,7 +378,8 @@ class TrainingStrategy:
         # a completed epoch's end saves first (the grace period is for saving) and owes the validation to
         # the resumed run; at the run's last step there is nothing to resume, so it validates now.
         epoch_completed = scheduler.epoch > epoch
-        stopped_early = scheduler.stop_reason is not None and not epoch_completed
+        # a stop request at the run's own last step (max_steps) cuts nothing short
+        stopped_early = scheduler.stop_reason is not None and not epoch_completed and not scheduler.reaches_the_end
         if not stopped_early and validated_at != ctx.step_count and self._epoch_end_validates(scheduler):
             if not scheduler.sigterm_received or scheduler.is_last_step:
                 self._validate_in_run()
@@ -735,8 +736,9 @@ class TrainingStrategy:
             return True
         if scheduler.sigterm_received and not scheduler.is_last_step:
             return False  # a preemption saves first; an epoch-end validation is owed to the resumed run
-        # the epoch's end, or the run's inside it at max_steps (a stop request's step does not validate)
-        ends_epoch = scheduler.is_last_batch or (scheduler.is_last_step and scheduler.stop_reason is None)
+        # the epoch's end, or the run's inside it at max_steps (a stop request's step inside it does not validate)
+        ends_run = scheduler.is_last_step and (scheduler.stop_reason is None or scheduler.reaches_the_end)
+        ends_epoch = scheduler.is_last_batch or ends_run
         return bool(ends_epoch and self._epoch_validates())
 
     def _per_step_schedulers(self) -> dict[str, list[Any]]:
