@@ -206,6 +206,9 @@ class StepScheduler:
         #: Completed optimizer steps (like ``ctx.step_count``); the current epoch (0-based).
         self.step = start_step
         self.epoch = start_epoch
+        #: ``(step, epoch, position)`` the counting started from (given, or loaded): where epoch 0's first
+        #: step would have been counted, for :attr:`total_steps` (``start_step`` need not be at epoch 0).
+        self._anchor = (start_step, start_epoch, 0)
         #: Set when a synchronized stream ran out on some rank: training ends there.
         self.stream_exhausted = False
         #: The last completed epoch's end-of-epoch validation was not run: a preemption stopped the run
@@ -259,11 +262,17 @@ class StepScheduler:
     def total_steps(self) -> int | None:
         """The optimizer steps the whole run will reach (absolute), or None when unknown.
 
-        The one owner of the run length: ``max_steps`` when it comes first, else
-        ``num_epochs * epoch_len``. Progress bars, LR schedule horizons and the CLI read it.
+        The one owner of the run length: ``max_steps`` when it comes first, else the step
+        the last epoch ends at: ``num_epochs * epoch_len`` from the step counted at epoch 0's
+        start (``start_step`` and ``start_epoch``, or a loaded state, say where that was).
+        Progress bars, LR schedule horizons and the CLI read it.
         """
         epoch_len = self.epoch_len
-        by_epochs = self.num_epochs * epoch_len if self.num_epochs is not None and epoch_len is not None else None
+        by_epochs = None
+        if self.num_epochs is not None and epoch_len is not None:
+            step, epoch, position = self._anchor
+            origin = step - epoch * epoch_len - position // self.grad_acc_steps
+            by_epochs = origin + self.num_epochs * epoch_len
         candidates = [n for n in (self.max_steps, by_epochs) if n is not None]
         return min(candidates) if candidates else None
 
@@ -781,6 +790,7 @@ class StepScheduler:
             )
         loader_state = self._reader.check_loader_entry(state.get("loader"), "StepScheduler.load_state_dict")
         self.step, self.epoch, self._position = int(state["step"]), int(state["epoch"]), int(state["position"])
+        self._anchor = (self.step, self.epoch, self._position)
         self._reader.load(state.get("epoch_rng"), loader_state, self._position)
         self.stream_exhausted = bool(state.get("stream_exhausted", False))
         self.validation_owed = bool(state.get("validation_owed", False))

@@ -150,3 +150,43 @@ def test_a_state_at_an_epoch_boundary_loads_over_another_sample_order() -> None:
     loading = StepScheduler(20, 10, 2, _sampled(100, seed=1), preemption_signal=None)
     loading.load_state_dict(state)
     assert loading.position == 0
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [{"start_epoch": 1, "num_epochs": 3}, {"start_step": 4, "num_epochs": 1}, {"start_step": 4, "num_epochs": 2}],
+    ids=["start-epoch", "start-step", "start-step-two-epochs"],
+)
+def test_total_steps_is_the_step_the_run_ends_at(bounds: dict[str, int]) -> None:
+    torch.manual_seed(0)
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(3, 2),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=torch.nn.functional.mse_loss,
+        device="cpu",
+        step_scheduler=StepSchedulerConfig(ckpt_every_steps=None, **bounds),
+    )
+    totals: list[int | None] = []
+
+    class Total:
+        @nvtrain.hookimpl
+        def before_training(self, ctx: nvtrain.TrainingContext) -> None:
+            totals.append(ctx.scheduler.total_steps)  # type: ignore[union-attr]
+
+    strategy.register_hook(Total())
+    result = strategy.run(_batches(5))
+    assert totals == [result.step_count]
+
+
+def test_total_steps_after_loading_a_state_inside_an_epoch() -> None:
+    saving = StepScheduler(2, 2, 1, _batches(5), num_epochs=2, preemption_signal=None)
+    for _ in saving.epochs:
+        for _ in saving:
+            saving.finish_step()
+            if saving.step == 7:  # epoch 2, third step
+                break
+        if saving.step == 7:
+            break
+    loading = StepScheduler(2, 2, 1, _batches(5), num_epochs=2, preemption_signal=None)
+    loading.load_state_dict(saving.state_dict())
+    assert loading.total_steps == saving.total_steps == 10
