@@ -90,6 +90,13 @@ def _averaged(state: Mapping[str, Any], model: str, ema: bool | str, directory: 
         raise storage.CheckpointError(
             f"{directory}: the EMA state {key!r} holds no average yet (saved before its first update)"
         )
+    count = averaged.get("n_averaged")
+    if hooks[key]["num_updates"] == 0 or (isinstance(count, torch.Tensor) and count.numel() == 1 and int(count) == 0):
+        # The copy exists (made at BEFORE_TRAINING) but holds the weights it started from, not an average.
+        raise storage.CheckpointError(
+            f"{directory}: the EMA state {key!r} holds no average yet (saved before its first update: "
+            "num_updates 0, its copy still holds the weights training started from)"
+        )
     return {
         name.removeprefix(_AVERAGED_PREFIX): value
         for name, value in averaged.items()

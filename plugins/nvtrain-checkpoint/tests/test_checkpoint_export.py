@@ -151,6 +151,34 @@ def test_asking_for_an_average_the_checkpoint_lacks_names_what_it_has(tmp_path: 
     assert not (tmp_path / "out.pt").exists()  # a refused export writes nothing
 
 
+def test_a_copy_saved_before_the_first_update_is_no_average(tmp_path: Path) -> None:
+    """Saved before the first EMA update (start_step not reached), the copy holds the weights training started
+    from (n_averaged 0): exporting them as "the EMA average" is refused, as a state with no copy is."""
+    ema = nvtrain_ema.EMAHook(decay=0.9, start_step=100)
+    strategy = nvtrain.TrainingStrategy(
+        make_model(),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        torch.nn.functional.mse_loss,
+        hooks=[ema, CheckpointHook(tmp_path / "checkpoints", step_interval=2)],
+        device="cpu",
+    )
+    with strategy:
+        strategy.run([(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(2)])
+    assert ema.num_updates == 0
+    with pytest.raises(
+        CheckpointError, match=r"the EMA state 'ema:main' holds no average yet \(saved before its first update"
+    ):
+        export_weights(tmp_path / "checkpoints", tmp_path / "out.pt", ema=True)
+    for state in (  # either count at 0 is enough
+        {"num_updates": 0, "averaged": {"module.weight": torch.ones(2), "n_averaged": torch.tensor(3)}},
+        {"num_updates": 3, "averaged": {"module.weight": torch.ones(2), "n_averaged": torch.tensor(0)}},
+    ):
+        checkpoint = _checkpoint(tmp_path / f"c{state['num_updates']}", ["main"], {"ema:main": state})
+        with pytest.raises(CheckpointError, match=r"holds no average yet"):
+            _exported(checkpoint, tmp_path, ema=True)
+    assert not (tmp_path / "out.pt").exists()
+
+
 def test_an_export_replaces_the_file_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checkpoint = _checkpoint(tmp_path / "c", ["main"], {"ema:main": _average(5.0)})
     (tmp_path / "out.pt").write_bytes(b"previous")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -14,9 +15,20 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import nvtrain
 from nvtrain import TrainingStage
 from nvtrain.distributed import unwrap_model
-from nvtrain.validators import float_in_range, int_at_least, non_empty_str, strict_bool, strict_int
+from nvtrain.validators import (
+    float_in_range,
+    int_at_least,
+    non_empty_str,
+    refused,
+    strict_bool,
+    strict_int,
+)
 
 __all__ = ["EMAHook", "ShardedAverage", "unwrap_model"]
+
+#: An update moves an averaged weight only when ``(1 - decay) * |weights - ema|`` exceeds half a unit in the last
+#: place of ``ema``: up to ``eps / 2`` of it. Warn when that takes a difference above this share of the weight.
+_STALL_SHARE = 0.01
 
 _AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
 
@@ -39,7 +51,10 @@ class EMAHook(nvtrain.TrainingUpdateHook):
 
     The copy is made at BEFORE_TRAINING (or at first use) from the unwrapped model,
     so a DDP wrapper is not copied. ``use_buffers=True`` averages buffers too;
-    otherwise the copy's buffers follow the model's at every update.
+    otherwise the copy's buffers follow the model's at every update. The average has
+    the model's dtypes (a bfloat16 model: a bfloat16 average; the hook warns once when
+    its updates would round away at this decay). A hook reused with another model (a
+    new strategy) makes a copy of that one and carries its average over to it.
 
     A model sharded with FSDP (DTensor parameters) cannot be copied; its average is a
     :class:`ShardedAverage` instead: tensors shaped like this rank's shards, averaged
@@ -72,6 +87,10 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     )
     _pending: dict[str, Any] | None = attrs.field(init=False, default=None, repr=False)
     _plan: _UpdatePlan | None = attrs.field(init=False, default=None, repr=False)
+    #: The unwrapped model the copy and the plan were made from: another one (the hook reused in a new
+    #: strategy) gets a new copy and plan, the average carried over.
+    _source_model: torch.nn.Module | None = attrs.field(init=False, default=None, repr=False)
+    _warned_precision: bool = attrs.field(init=False, default=False, repr=False)
 
     # -- the update ------------------------------------------------------------------------
 
@@ -145,7 +164,22 @@ class EMAHook(nvtrain.TrainingUpdateHook):
         return {"num_updates": self.num_updates, "averaged": averaged}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``num_updates`` and the averaged weights (kept until the copy exists, if need be)."""
+        """Restore ``num_updates`` and the averaged weights (kept until the copy exists, if need be).
+
+        A state with no average (``averaged`` None: saved before the copy was made) drops the copy:
+        the next one is made from the model's weights then, as in a new hook.
+        """
+        if not isinstance(state, Mapping):
+            raise refused(
+                "EMAHook",
+                "load_state_dict",
+                state,
+                "a mapping with 'num_updates' and 'averaged'",
+                message=(
+                    "EMAHook.load_state_dict: the state must be a mapping with 'num_updates' and 'averaged' "
+                    f"(got {type(state).__name__})"
+                ),
+            )
         missing = {"num_updates", "averaged"} - set(state)
         if missing:
             raise ValueError(f"EMAHook.load_state_dict: the state lacks {sorted(missing)} (keys: {sorted(state)})")
@@ -153,10 +187,25 @@ class EMAHook(nvtrain.TrainingUpdateHook):
         if isinstance(num_updates, bool) or not isinstance(num_updates, int) or num_updates < 0:
             raise ValueError(f"EMAHook.load_state_dict: 'num_updates' must be an int >= 0 (got {num_updates!r})")
         averaged = state["averaged"]
-        if averaged is not None and self._averaged is not None:
+        if averaged is not None and not isinstance(averaged, Mapping):
+            raise refused(
+                "EMAHook",
+                "averaged",
+                averaged,
+                "None or an averaged model's state dict",
+                message=(
+                    f"EMAHook.load_state_dict: 'averaged' (model {self.model_key!r}) must be None or a mapping "
+                    f"of the averaged model's state ('module.<name>' tensors and 'n_averaged'), "
+                    f"got {type(averaged).__name__}"
+                ),
+            )
+        if averaged is None:  # no average saved: forget this one, so the next copy is a fresh one
+            self._averaged = self._plan = self._source_model = None
+            self._pending = None
+        elif self._averaged is not None:
             self._load_averaged(self._averaged, averaged)
         else:
-            self._pending = None if averaged is None else dict(averaged)
+            self._pending = dict(averaged)
         self._num_updates = num_updates
 
     # -- internals ----------------------------------------------------------------------------
@@ -171,14 +220,23 @@ class EMAHook(nvtrain.TrainingUpdateHook):
         return unwrap_model(model)
 
     def _ensure_averaged(self) -> AveragedModel | ShardedAverage:
-        if self._averaged is not None:
-            return self._averaged
         if self._models is None:
             raise RuntimeError(
-                "EMAHook.get_averaged_model(): there is no averaged model yet; register the hook on a "
-                "TrainingStrategy and train (or validate) first"
+                "EMAHook.get_averaged_model(): there is no averaged model yet: the hook has not been set up "
+                "(register it on a TrainingStrategy, then strategy.setup(), run(), train_batch() or validate())"
             )
         source = self._source(self._models)
+        carried = False
+        if self._averaged is not None:
+            if source is self._source_model:
+                return self._averaged
+            # Another model (the hook reused in a new strategy, or load_checkpoint(hooks=[ema])): a new copy
+            # and plan over it, the average (and its count) carried over, as a checkpoint's would be.
+            assert self._plan is not None
+            self._plan.publish_count()
+            self._pending = dict(self._averaged.state_dict())
+            self._averaged = self._plan = self._source_model = None
+            carried = True
         for unit in _fsdp_units(source):  # gathered parameters (a forward without reshard) are no shards to copy
             unit.reshard()
         averaged: AveragedModel | ShardedAverage
@@ -192,14 +250,45 @@ class EMAHook(nvtrain.TrainingUpdateHook):
             if callable(modify):
                 modify()
         if self._pending is not None:
-            self._load_averaged(averaged, self._pending)
+            try:
+                self._load_averaged(averaged, self._pending)
+            except ValueError as err:
+                if not carried:
+                    raise
+                raise ValueError(
+                    f"EMAHook: reused with another model {self.model_key!r} than the one it averaged, whose "
+                    "average does not fit it; use a new EMAHook, or reset this one first with "
+                    "ema.load_state_dict({'num_updates': 0, 'averaged': None})"
+                ) from err
             self._pending = None
         if isinstance(averaged, ShardedAverage):
             self._plan = _UpdatePlan.pair_sharded(averaged, source)
         else:
             self._plan = _UpdatePlan.pair(averaged, source, use_buffers=self.use_buffers)
         self._averaged = averaged
+        self._source_model = source
+        self._warn_if_updates_round_away(self._plan.lerp_dst)
         return averaged
+
+    def _warn_if_updates_round_away(self, averaged: list[torch.Tensor]) -> None:
+        """Warn once when the average is kept in half precision at a decay whose updates round away."""
+        if self._warned_precision:
+            return
+        for dtype in (torch.bfloat16, torch.float16):
+            if any(t.dtype == dtype for t in averaged):
+                share = torch.finfo(dtype).eps / 2 / (1.0 - self.decay)
+                if share > _STALL_SHARE:
+                    self._warned_precision = True
+                    warnings.warn(
+                        f"EMAHook (model {self.model_key!r}): the average is kept in {dtype} like the model, and "
+                        f"with decay={self.decay} an update changes an averaged weight only where the weights "
+                        f"differ from it by more than about {share:.2g} times its magnitude: smaller ones round away "
+                        "and the average barely moves; keep the model's weights in float32 (mixed precision "
+                        "autocast) or lower the decay (see docs/ema.md)",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+                    return
 
     def _load_averaged(self, averaged: AveragedModel | ShardedAverage, state: Mapping[str, Any]) -> None:
         try:
