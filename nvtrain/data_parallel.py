@@ -33,7 +33,7 @@ from torch.utils.data import (
 from nvtrain.data_cursor import is_torchdata_class
 from nvtrain.distributed import TorchrunEnv, default_backend
 from nvtrain.hookspecs import hookimpl
-from nvtrain.validators import FieldTypeError, refused
+from nvtrain.validators import FieldTypeError, refused, satisfies
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -44,8 +44,12 @@ __all__ = [
     "ShardsTrainLoader",
     "as_sampler_factory",
     "as_sampler_kwargs",
+    "check_sampler_kwargs",
     "distributed_loader",
     "has_distributed_sampler",
+    "is_process_group",
+    "loader_seed",
+    "optional_process_group",
     "rebuild_loader",
     "refuse_other_data_parallel",
     "resolve_process_group",
@@ -129,6 +133,21 @@ def refuse_other_data_parallel(ctx: TrainingContext, owner: object) -> None:
 # -- settings ------------------------------------------------------------------------------------
 
 
+def is_process_group(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed.ProcessGroup`` (False where torch.distributed is unavailable)."""
+    group_cls = getattr(dist, "ProcessGroup", None)
+    return group_cls is not None and isinstance(value, group_cls)
+
+
+#: Validator of ``<owner>.process_group``: None or a ``torch.distributed.ProcessGroup`` (a config cannot give one).
+optional_process_group = satisfies(
+    "a torch.distributed.ProcessGroup (from torch.distributed.new_group(); a config can only leave it out)",
+    is_process_group,
+    or_none=True,
+    error=FieldTypeError,
+)
+
+
 def as_sampler_factory(owner: str, value: Any) -> Callable[..., Any]:
     """``<owner>.sampler_cls`` converted: a callable, or a dotted path to one (``"pkg.module.Name"`` or
     ``"pkg.module:Name"``, for configs)."""
@@ -166,6 +185,28 @@ def as_sampler_kwargs(owner: str, value: Any) -> dict[str, Any]:
         message = f"{owner}.sampler_kwargs must not hold 'dataset': the loader's dataset is passed first"
         raise refused(owner, "sampler_kwargs", value, expected, message=message)
     return dict(value)
+
+
+def check_sampler_kwargs(owner: str, sampler_cls: Callable[..., Any], sampler_kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``<owner>.sampler_kwargs`` keys that ``sampler_cls`` does not take (any, when it takes ``**kwargs``
+    or has no signature to read)."""
+    try:
+        parameters = list(inspect.signature(sampler_cls).parameters.values())
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    keywords = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = [p.name for p in parameters if p.kind in keywords and p.name != "dataset"]
+    unknown = [key for key in sampler_kwargs if key not in names]
+    if unknown:
+        name = getattr(sampler_cls, "__qualname__", repr(sampler_cls))
+        expected = f"keywords of {name}: {', '.join(names) or 'none'}"
+        message = (
+            f"{owner}.sampler_kwargs: {name} takes no keyword {', '.join(map(repr, unknown))} "
+            f"(it takes {', '.join(names) or 'none besides the dataset'})"
+        )
+        raise refused(owner, "sampler_kwargs", dict(sampler_kwargs), expected, message=message)
 
 
 # -- the training loader -------------------------------------------------------------------------
@@ -371,21 +412,49 @@ def distributed_loader(
     ``num_replicas`` and ``rank`` come from the process group, ``shuffle`` from
     whether the loader's sampler is a random one (torch's RandomSampler, or torchdata's in a
     StatefulDataLoader built with ``shuffle=True``), ``drop_last`` from the loader,
-    ``seed`` is 0 (equal on every rank, as it must be); each only when the sampler
-    accepts the keyword, and ``sampler_kwargs`` override them.
+    ``seed`` from :func:`loader_seed`; each only when the sampler accepts the keyword,
+    and ``sampler_kwargs`` override them. A sampler that refuses its arguments raises a
+    TypeError or ValueError naming ``<owner>.sampler_kwargs`` (``<owner>.sampler_cls``
+    when there are none).
     """
     inferred = {
         "num_replicas": world_size,
         "rank": rank,
         "shuffle": _shuffles(loader.sampler),
-        "seed": 0,
+        "seed": agreed_seed(loader_seed(loader), world_size),
         "drop_last": loader.drop_last,
     }
     accepted = _accepted_keywords(sampler_cls)
     kwargs = {name: value for name, value in inferred.items() if name in accepted}
     kwargs.update(sampler_kwargs)
-    sampler = sampler_cls(loader.dataset, **kwargs)
+    try:
+        sampler = sampler_cls(loader.dataset, **kwargs)
+    except (TypeError, ValueError) as err:
+        name = getattr(sampler_cls, "__qualname__", repr(sampler_cls))
+        field = "sampler_kwargs" if sampler_kwargs else "sampler_cls"
+        error = TypeError if isinstance(err, TypeError) else ValueError
+        raise error(f"{owner}.{field}: {name}(dataset, **{kwargs!r}) failed: {err}") from err
     return rebuild_loader(loader, sampler, owner=owner)
+
+
+def agreed_seed(seed: int, world_size: int) -> int:
+    """Rank 0's ``seed`` on every rank (one broadcast at SETUP): the ranks' shards of a distributed sampler
+    are disjoint only when every rank shuffles the same permutation, and a loader generator seeded per
+    process (``generator.seed()``) gives each rank its own."""
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return seed
+    agreed = [seed]
+    dist.broadcast_object_list(agreed, src=0)
+    return int(agreed[0])
+
+
+def loader_seed(loader: Any) -> int:
+    """The seed a distributed sampler for ``loader`` shuffles with: the ``initial_seed()`` of the loader's
+    ``generator`` (equal on every rank when it is seeded from a config), else 0."""
+    generator = getattr(loader, "generator", None)
+    if isinstance(generator, torch.Generator):
+        return int(generator.initial_seed())
+    return 0
 
 
 def rebuild_loader(loader: DataLoader[Any], sampler: Any, *, owner: str = "nvtrain") -> DataLoader[Any]:

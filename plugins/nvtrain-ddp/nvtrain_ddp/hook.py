@@ -21,10 +21,13 @@ from nvtrain.data_parallel import (
     ShardsTrainLoader,
     as_sampler_factory,
     as_sampler_kwargs,
+    check_sampler_kwargs,
+    optional_process_group,
     refuse_other_data_parallel,
     resolve_process_group,
 )
 from nvtrain.distributed import TorchrunEnv
+from nvtrain.hook import accumulating_hook
 from nvtrain.validators import FieldTypeError, a_bool, optional_bool, optional_non_empty_str, refused
 
 __all__ = ["DDPHook"]
@@ -69,6 +72,10 @@ def _as_sampler_kwargs(value: Any) -> dict[str, Any]:
     return as_sampler_kwargs("DDPHook", value)
 
 
+def _check_sampler_kwargs(instance: DDPHook, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
+    check_sampler_kwargs("DDPHook", instance.sampler_cls, value)
+
+
 # -- the hook --------------------------------------------------------------------------
 
 
@@ -91,7 +98,8 @@ class DDPHook(ShardsTrainLoader):
       process group only if this hook created it. The injected loader stays in place.
 
     In a single process (no process group and ``WORLD_SIZE`` at most 1) the hook does
-    nothing, so one script runs under ``python`` and ``torchrun`` alike.
+    nothing (its settings are still checked: ``static_graph`` with accumulation is refused),
+    so one script runs under ``python`` and ``torchrun`` alike.
     """
 
     plugin_name: ClassVar[str] = "ddp"
@@ -105,14 +113,17 @@ class DDPHook(ShardsTrainLoader):
     find_unused_parameters: bool | None = attrs.field(default=None, validator=optional_bool)
     #: None: the distributed manager's setting when it has one, else False.
     broadcast_buffers: bool | None = attrs.field(default=None, validator=optional_bool)
+    #: Refused with gradient accumulation: DDP's static graph cannot run a backward under no_sync().
     static_graph: bool = attrs.field(default=False, validator=a_bool)
-    #: Explicit process group; None: the manager's, else the default group.
-    process_group: Any = None
+    #: Explicit process group (a torch.distributed.ProcessGroup); None: the manager's, else the default group.
+    process_group: Any = attrs.field(default=None, validator=optional_process_group)
     #: Backend when this hook initialises torch.distributed (None: NCCL on CUDA, gloo otherwise).
     backend: str | None = attrs.field(default=None, validator=optional_non_empty_str("backend name such as 'nccl' or 'gloo'"))
     auto_init: bool = attrs.field(default=True, validator=a_bool)
     sampler_cls: Callable[..., Any] = attrs.field(default=DistributedSampler, converter=_as_sampler_cls)
-    sampler_kwargs: dict[str, Any] = attrs.field(factory=dict, converter=_as_sampler_kwargs)
+    sampler_kwargs: dict[str, Any] = attrs.field(
+        factory=dict, converter=_as_sampler_kwargs, validator=_check_sampler_kwargs
+    )
 
     _ctx: nvtrain.TrainingContext | None = attrs.field(init=False, default=None, repr=False)
     _group: Any = attrs.field(init=False, default=None, repr=False)
@@ -134,6 +145,10 @@ class DDPHook(ShardsTrainLoader):
         """Resolve the process group, wrap the models, inject the sampler."""
         self._ctx = ctx
         refuse_other_data_parallel(ctx, self)
+        if ctx.strategy is not None:
+            accumulation = accumulating_hook(ctx.strategy.registry.update_hooks(), strict=False)
+            if accumulation is not None:
+                self._refuse_static_graph_with(accumulation.accumulation_steps)
         manager = getattr(ctx.strategy, "distributed_manager", None)
         group, self._owns_group = resolve_process_group(
             "DDPHook",
@@ -192,6 +207,11 @@ class DDPHook(ShardsTrainLoader):
             )
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
+            if self.model_keys is None:
+                raise ValueError(
+                    f"DDPHook: model {key!r} has an optimizer but no trainable parameters (none requires grad); "
+                    "give it no optimizer, or name the models to wrap in DDPHook.model_keys"
+                )
             raise ValueError(f"DDPHook: model {key!r} has no trainable parameters; leave it out of model_keys")
         device = trainable[0].device
         device_ids: list[int] | None = None
@@ -209,7 +229,24 @@ class DDPHook(ShardsTrainLoader):
 
     # -- data ------------------------------------------------------------------------------
 
-    # before_training, shard(), _prepare_loader() and before_epoch come from ShardsTrainLoader.
+    # shard(), _prepare_loader() and before_epoch come from ShardsTrainLoader.
+
+    @nvtrain.hookimpl
+    def before_training(self, ctx: nvtrain.TrainingContext) -> None:
+        """Refuse ``static_graph`` with the run's accumulation windows; warn about a late unsharded loader."""
+        scheduler = ctx.scheduler
+        if scheduler is not None:
+            self._refuse_static_graph_with(scheduler.grad_acc_steps)
+        ShardsTrainLoader.before_training(self, ctx)
+
+    def _refuse_static_graph_with(self, window: int) -> None:
+        if self.static_graph and window > 1:
+            message = (
+                f"DDPHook.static_graph=True does not combine with gradient accumulation (windows of {window} "
+                "micro-batches): DDP's static graph cannot run a backward under no_sync(), which accumulation "
+                "needs; set static_graph=False or accumulate over 1 micro-batch"
+            )
+            raise refused("DDPHook", "static_graph", True, "False with gradient accumulation", message=message)
 
     # -- one all-reduce per optimizer step -------------------------------------------------
 

@@ -312,7 +312,62 @@ def checkpoint(out: Path) -> None:
     nvtrain.DistributedManager.cleanup()
 
 
-SCENARIOS = {f.__name__: f for f in (equivalence, accumulation, sampler, spike_skip, checkpoint)}
+def settings(out: Path) -> None:
+    """static_graph with accumulation is refused before any backward (DDP would hit an internal assert under
+    no_sync()); the injected sampler shuffles with the loader's generator seed."""
+    from nvtrain.hooks.accumulation import GradientAccumulationHook
+
+    manager = nvtrain.DistributedManager.initialize()
+    x, y = make_data(16)
+    refusals = []
+    for extra, scheduler in (
+        ([GradientAccumulationHook(steps=2)], None),
+        ([], nvtrain.StepSchedulerConfig(global_batch_size=16)),
+    ):
+        strategy = nvtrain.TrainingStrategy(
+            make_model(),
+            sgd,
+            torch.nn.functional.mse_loss,
+            hooks=[DDPHook(static_graph=True), *extra],
+            distributed_manager=manager,
+            num_epochs=1,
+            step_scheduler=scheduler,
+        )
+        try:
+            with strategy:
+                strategy.run(DataLoader(TensorDataset(x, y), batch_size=4))
+            refusals.append("trained")
+        except Exception as err:  # the test asserts which
+            refusals.append(f"{type(err).__name__}: {err}")
+    orders = {}
+    n = 16
+    data = torch.zeros(n, 4)
+    data[:, 0] = torch.arange(n, dtype=torch.float32)
+    for seed in (5, 7, "per_rank"):  # per_rank: a generator seeded per process, as generator.seed() does
+        recorder = RecordIndices()
+        loader = DataLoader(
+            TensorDataset(data, torch.zeros(n, 2)),
+            batch_size=4,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(100 + manager.rank if seed == "per_rank" else seed),
+        )
+        strategy = nvtrain.TrainingStrategy(
+            make_model(),
+            sgd,
+            torch.nn.functional.mse_loss,
+            hooks=[DDPHook(), recorder],
+            distributed_manager=manager,
+            num_epochs=1,
+        )
+        with strategy:
+            strategy.run(loader)
+            orders[seed] = (recorder.seen[0], strategy.ctx.train_loader.sampler.seed)
+    save(out, f"rank{manager.rank}.pt", {"refusals": refusals, "orders": orders})
+    manager.barrier()
+    nvtrain.DistributedManager.cleanup()
+
+
+SCENARIOS = {f.__name__: f for f in (equivalence, accumulation, sampler, spike_skip, checkpoint, settings)}
 
 
 def main(out_dir: Path, scenarios: list[str]) -> None:

@@ -102,11 +102,59 @@ def test_settings_are_normalised() -> None:
         ({"sampler_cls": "Sampler"}, ValueError, "dotted path"),
         ({"sampler_kwargs": [1]}, TypeError, "DDPHook.sampler_kwargs"),
         ({"sampler_kwargs": {"dataset": None}}, ValueError, "'dataset'"),
+        (
+            {"sampler_kwargs": {"shufle": True}},
+            ValueError,
+            "DDPHook.sampler_kwargs: DistributedSampler takes no keyword 'shufle'",
+        ),
+        ({"process_group": "world"}, TypeError, "DDPHook.process_group must be a torch.distributed.ProcessGroup"),
+        ({"process_group": 3}, TypeError, "DDPHook.process_group must be a torch.distributed.ProcessGroup"),
     ],
 )
 def test_bad_settings_fail_at_construction(settings: dict[str, Any], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         DDPHook(**settings)
+
+
+def test_bad_process_group_and_sampler_kwargs_are_refused_by_name_when_loaded_from_a_config() -> None:
+    with pytest.raises(nvtrain.validators.FieldTypeError, match=r"DDPHook\.process_group") as err:
+        nvtrain.plugins.load("ddp", process_group="world")
+    assert err.value.field == "process_group"
+    with pytest.raises(nvtrain.validators.FieldValueError, match=r"DDPHook\.sampler_kwargs") as err2:
+        nvtrain.plugins.load("ddp", sampler_kwargs={"shufle": True})
+    assert err2.value.field == "sampler_kwargs"
+
+
+def test_sampler_kwargs_of_a_factory_taking_any_keyword_are_not_checked() -> None:
+    def factory(dataset: Any, **kwargs: Any) -> list[int]:
+        return list(range(len(dataset)))
+
+    assert DDPHook(sampler_cls=factory, sampler_kwargs={"anything": 1}).sampler_kwargs == {"anything": 1}
+    with pytest.raises(ValueError, match="takes no keyword 'stride'"):
+        DDPHook(sampler_cls=lambda dataset, *, rank, num_replicas: [], sampler_kwargs={"stride": 2})
+
+
+def test_static_graph_with_an_accumulation_hook_is_refused_at_setup() -> None:
+    from nvtrain.hooks import GradientAccumulationHook
+
+    strategy = make_strategy(DDPHook(static_graph=True), hooks=[GradientAccumulationHook(steps=2)], num_epochs=1)
+    with strategy, pytest.raises(nvtrain.validators.FieldValueError, match=r"DDPHook.static_graph=True .*accumulation"):
+        strategy.run(make_loader())
+    assert strategy.ctx.step_count == 0
+
+
+def test_static_graph_with_a_global_batch_implying_accumulation_is_refused_before_training() -> None:
+    strategy = make_strategy(DDPHook(static_graph=True), num_epochs=1, step_scheduler=_global_batch(8))
+    with strategy, pytest.raises(nvtrain.validators.FieldValueError, match=r"windows of 2 micro-batches"):
+        strategy.run(make_loader())
+    assert strategy.ctx.step_count == 0
+    # without accumulation static_graph stays allowed
+    with make_strategy(DDPHook(static_graph=True), num_epochs=1, step_scheduler=_global_batch(4)) as strategy:
+        assert strategy.run(make_loader()).step_count == 4
+
+
+def _global_batch(size: int) -> Any:
+    return nvtrain.StepSchedulerConfig(global_batch_size=size)
 
 
 def test_plugin_is_discovered_through_its_entry_point() -> None:
@@ -234,6 +282,36 @@ def test_unknown_model_key_and_frozen_model_are_named() -> None:
     strategy = make_strategy(DDPHook(model_keys=("main", "frozen")), frozen, optimizers={"main": sgd})
     with strategy, pytest.raises(ValueError, match="'frozen' has no trainable parameters"):
         strategy.train_batch(next(iter(make_loader())))
+    # model_keys left out: the frozen model has an optimizer, which the message says
+    both = {"main": sgd, "frozen": sgd}
+    frozen = {"main": make_model(), "frozen": make_model().requires_grad_(False)}
+    with make_strategy(DDPHook(), frozen, optimizers=both) as strategy, pytest.raises(ValueError) as err:
+        strategy.train_batch(next(iter(make_loader())))
+    assert "'frozen' has an optimizer but no trainable parameters" in str(err.value)
+    assert "leave it out of model_keys" not in str(err.value)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("seed", [5, 7])
+def test_the_injected_sampler_shuffles_with_the_loaders_generator_seed(seed: int) -> None:
+    loader = make_loader(shuffle=True, generator=torch.Generator().manual_seed(seed))
+    with make_strategy(DDPHook(), num_epochs=1) as strategy:
+        strategy.run(loader)
+        assert strategy.ctx.train_loader.sampler.seed == seed
+    unseeded = make_loader(shuffle=True)
+    with make_strategy(DDPHook(), num_epochs=1) as strategy:
+        strategy.run(unseeded)
+        assert strategy.ctx.train_loader.sampler.seed == 0  # no generator: 0 on every rank
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_sampler_refusing_its_keywords_at_setup_names_sampler_kwargs() -> None:
+    strategy = make_strategy(DDPHook(sampler_kwargs={"num_replicas": "two"}), num_epochs=1)
+    with (
+        strategy,
+        pytest.raises((TypeError, ValueError), match=r"^DDPHook\.sampler_kwargs: DistributedSampler\(dataset"),
+    ):
+        strategy.run(make_loader())
 
 
 @pytest.mark.usefixtures("world_of_one")
@@ -291,7 +369,8 @@ def test_sampler_is_injected_with_the_loader_arguments_kept() -> None:
         injected = strategy.ctx.train_loader
     assert injected is not loader and type(injected) is DataLoader
     assert isinstance(injected.sampler, DistributedSampler)
-    assert injected.sampler.shuffle is True and injected.sampler.drop_last is True and injected.sampler.seed == 0
+    assert injected.sampler.shuffle is True and injected.sampler.drop_last is True
+    assert injected.sampler.seed == generator.initial_seed()  # the loader's seed
     assert injected.sampler.num_replicas == 1 and injected.sampler.rank == 0
     assert injected.dataset is loader.dataset and injected.batch_size == 3 and injected.drop_last is True
     assert injected.collate_fn is collate and injected.worker_init_fn is init_worker

@@ -71,7 +71,7 @@ def assert_close_to(params: list[torch.Tensor], reference: list[torch.Tensor]) -
 
 
 #: Scenarios that share one 2-rank launch (module fixture); each still has its own test below.
-SUITE = ("accumulation", "sampler", "spike_skip", "checkpoint")
+SUITE = ("accumulation", "sampler", "spike_skip", "checkpoint", "settings")
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +134,27 @@ def test_injected_sampler_gives_each_epoch_a_new_rank_disjoint_order(suite: Path
     for rank in (0, 1):
         orders = [ranks[rank]["seen"][epoch] for epoch in range(3)]
         assert orders[0] != orders[1] != orders[2] != orders[0], "set_epoch did not reshuffle"
+
+
+def test_static_graph_with_accumulation_is_refused_on_every_rank_before_a_backward(suite: Path) -> None:
+    for rank in (0, 1):
+        by_hook, by_global_batch = load(suite / "settings", f"rank{rank}.pt")["refusals"]
+        assert by_hook.startswith(
+            "FieldValueError: DDPHook.static_graph=True does not combine with gradient accumulation"
+        )
+        assert by_global_batch.startswith("FieldValueError: DDPHook.static_graph=True"), by_global_batch
+
+
+def test_the_injected_sampler_shuffles_with_the_loaders_seed(suite: Path) -> None:
+    ranks = [load(suite / "settings", f"rank{r}.pt")["orders"] for r in (0, 1)]
+    for orders in ranks:
+        assert orders[5][1] == 5 and orders[7][1] == 7
+        assert orders[5][0] != orders[7][0], "loaders seeded 5 and 7 read the same order"
+    for seed in (5, 7, "per_rank"):
+        first, second = ranks[0][seed][0], ranks[1][seed][0]
+        assert set(first).isdisjoint(second) and set(first) | set(second) == set(range(16))
+    # a generator seeded per process: every rank shuffles with rank 0's seed, or the shards overlap
+    assert ranks[0]["per_rank"][1] == ranks[1]["per_rank"][1] == 100
 
 
 def test_spike_skip_makes_every_rank_skip_the_same_step(suite: Path) -> None:

@@ -23,6 +23,8 @@ from nvtrain.data_parallel import (
     ShardsTrainLoader,
     as_sampler_factory,
     as_sampler_kwargs,
+    check_sampler_kwargs,
+    optional_process_group,
     refuse_other_data_parallel,
     resolve_process_group,
 )
@@ -134,6 +136,10 @@ def _as_sampler_kwargs(value: Any) -> dict[str, Any]:
     return as_sampler_kwargs("FSDPHook", value)
 
 
+def _check_sampler_kwargs(instance: FSDPHook, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
+    check_sampler_kwargs("FSDPHook", instance.sampler_cls, value)
+
+
 # -- the hook --------------------------------------------------------------------------------
 
 
@@ -208,15 +214,17 @@ class FSDPHook(ShardsTrainLoader):
     #: Reduce-scatters stay within a group; one all-reduce of the shards' gradients crosses the replicas.
     #: None or 1: shard over all ranks.
     replicate_degree: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
-    #: Explicit process group; None: the manager's, else the default group.
-    process_group: Any = None
+    #: Explicit process group (a torch.distributed.ProcessGroup); None: the manager's, else the default group.
+    process_group: Any = attrs.field(default=None, validator=optional_process_group)
     #: Backend when this hook initialises torch.distributed (None: NCCL on CUDA, gloo otherwise).
     backend: str | None = attrs.field(
         default=None, validator=optional_non_empty_str("backend name such as 'nccl' or 'gloo'")
     )
     auto_init: bool = attrs.field(default=True, validator=a_bool)
     sampler_cls: Callable[..., Any] = attrs.field(default=DistributedSampler, converter=_as_sampler_cls)
-    sampler_kwargs: dict[str, Any] = attrs.field(factory=dict, converter=_as_sampler_kwargs)
+    sampler_kwargs: dict[str, Any] = attrs.field(
+        factory=dict, converter=_as_sampler_kwargs, validator=_check_sampler_kwargs
+    )
 
     _ctx: nvtrain.TrainingContext | None = attrs.field(init=False, default=None, repr=False)
     _group: Any = attrs.field(init=False, default=None, repr=False)
