@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -35,12 +35,14 @@ __all__ = [
     "RanksFailed",
     "free_port",
     "full_tensors",
+    "gloo_group",
     "kill_ranks",
     "load_script",
     "rank_environment",
     "run_ranks",
     "run_scenarios",
     "scenario_ports",
+    "spawn_ranks",
     "start_ranks",
     "wait_ranks",
 ]
@@ -295,6 +297,56 @@ def run_scenarios(specs: Sequence[str], run: Callable[[str, str, Any], None]) ->
         run(name, arg, manager)
         dist.barrier()  # tear the group down together
         DistributedManager.cleanup()
+
+
+def spawn_ranks(fn: Callable[..., None], *args: Any, nprocs: int = 2, timeout_s: float = 120) -> None:
+    """Run ``fn(rank, port, *args)`` in ``nprocs`` spawned processes (a function of the test module, which the
+    ranks import by name), ``port`` a free one for :func:`gloo_group`; :class:`RanksFailed` after ``timeout_s``.
+
+    A rendezvous that lost a race for its port or socket is tried once more on another port;
+    any other failure is raised as torch's ``ProcessRaisedException``, with the rank's traceback.
+    """
+    import torch.multiprocessing as mp
+
+    for attempt in range(2):
+        context = mp.spawn(fn, args=(free_port(), *args), nprocs=nprocs, join=False)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    raise RanksFailed(f"the {nprocs} ranks did not finish within {timeout_s:.0f} s")
+            return
+        except mp.ProcessRaisedException as err:
+            transient = ("address already in use", "connection refused", "connection reset", "timed out")
+            if attempt or not any(word in str(err).lower() for word in transient):
+                raise
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world_size: int, port: int, *, timeout_s: float = 60) -> Iterator[None]:
+    """In a rank of :func:`spawn_ranks`: the default process group (gloo, on ``port``) for the block. After a
+    block that ends normally the ranks meet at a barrier before it is destroyed: a rank that tears gloo down
+    while another still uses it makes that one abort."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def full_tensors(value: Any) -> Any:

@@ -8,19 +8,15 @@ averaged over the ranks.
 
 from __future__ import annotations
 
-import datetime
 import functools
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import nvtrain
-from nvtrain.testing import free_port
+from nvtrain.testing import gloo_group, spawn_ranks
 
 WORLD_SIZE = 2
 #: Per rank and epoch, the "score" its validation reports: rank 0 improves, rank 1 worsens, the mean worsens.
@@ -29,18 +25,8 @@ SCORES = {0: [1.0, 0.5, 0.25], 1: [1.0, 2.0, 4.0]}
 
 def _rank(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        lrs = _train(rank)
-        torch.save(lrs, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    with gloo_group(rank, WORLD_SIZE, port):
+        torch.save(_train(rank), Path(out) / f"rank{rank}.pt")
 
 
 def _train(rank: int) -> list[float]:
@@ -80,11 +66,7 @@ def _train(rank: int) -> list[float]:
 def test_a_plateau_scheduler_steps_on_the_mean_of_the_ranks_values(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as patch:  # the spawned ranks import this module by name
         patch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-        context = mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
-        deadline = time.monotonic() + 120
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail("the two ranks did not finish within 120 s")
+        spawn_ranks(_rank, str(tmp_path), nprocs=WORLD_SIZE)
     lrs: dict[int, Any] = {rank: torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD_SIZE)}
     # the mean score 1.0, 1.25, 2.125 never improves after the first validation: halved at epochs 2 and 3
     assert lrs[0] == lrs[1] == pytest.approx([0.1, 0.05, 0.025])

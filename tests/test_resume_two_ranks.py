@@ -11,8 +11,6 @@ rank, whose saved states differ between the ranks, so each rank must get its own
 
 from __future__ import annotations
 
-import datetime
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,10 +18,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, DistributedSampler
 
-from nvtrain.testing import free_port
+from nvtrain.testing import gloo_group, spawn_ranks
 from tests.resume_helpers import CountingDataset, CountingStream, RecordSamples, make_strategy
 
 pytestmark = pytest.mark.slow
@@ -80,44 +77,15 @@ def _train(variant: str, rank: int, root: Path, resume: bool) -> dict[str, Any]:
 
 
 def _rank(rank: int, port: int, out_dir: str, resume: bool) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        torch.set_num_threads(1)
-        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
-        warnings.filterwarnings("ignore", message="DDPHook: no distributed sampler")  # the stream shards itself
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
+    warnings.filterwarnings("ignore", message="DDPHook: no distributed sampler")  # the stream shards itself
+    with gloo_group(rank, WORLD_SIZE, port):
         for variant in _variants():
             root = Path(out_dir, variant)
             result = _train(variant, rank, root, resume)
             torch.save(result, root / f"{'resumed' if resume else 'straight'}-rank{rank}.pt")
             dist.barrier()
-    finally:
-        dist.barrier()  # no rank tears gloo down while the other still uses it (SIGABRT in gloo)
-        dist.destroy_process_group()
-
-
-def _spawn(out_dir: Path, resume: bool, timeout_s: float = 120) -> None:
-    for attempt in range(2):
-        context = mp.spawn(_rank, args=(free_port(), str(out_dir), resume), nprocs=WORLD_SIZE, join=False)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not context.join(timeout=1):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the two ranks did not finish within {timeout_s:.0f} s")
-            return
-        except mp.ProcessRaisedException as err:
-            transient = ("address already in use", "connection refused", "connection reset", "timed out")
-            if attempt or not any(word in str(err).lower() for word in transient):
-                raise  # only a rendezvous that lost a race for its port or socket is worth a second try
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +96,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         out = tmp_path_factory.mktemp("resume-two-ranks")
         for variant in _variants():
             (out / variant).mkdir()
-        _spawn(out, resume=False)
-        _spawn(out, resume=True)
+        spawn_ranks(_rank, str(out), False, nprocs=WORLD_SIZE)
+        spawn_ranks(_rank, str(out), True, nprocs=WORLD_SIZE)
     return out
 
 

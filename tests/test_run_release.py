@@ -21,8 +21,8 @@ def _loader() -> torch.utils.data.DataLoader[tuple[torch.Tensor, ...]]:
     return torch.utils.data.DataLoader(data, batch_size=4, num_workers=1, persistent_workers=True)
 
 
-def _train_and_drop(train: torch.utils.data.DataLoader, validation: torch.utils.data.DataLoader) -> None:
-    strategy = nvtrain.TrainingStrategy(
+def _strategy(validation: torch.utils.data.DataLoader) -> nvtrain.TrainingStrategy:
+    return nvtrain.TrainingStrategy(
         models=torch.nn.Linear(3, 2),
         optimizers=functools.partial(torch.optim.SGD, lr=0.1),
         loss_fn=torch.nn.functional.mse_loss,
@@ -30,7 +30,10 @@ def _train_and_drop(train: torch.utils.data.DataLoader, validation: torch.utils.
         num_epochs=1,
         validation=nvtrain.ValidationConfig(data=validation),
     )
-    strategy.run(train)  # no close(): the strategy is left to the garbage collector
+
+
+def _train_and_drop(train: torch.utils.data.DataLoader, validation: torch.utils.data.DataLoader) -> None:
+    _strategy(validation).run(train)  # no close(): the strategy is left to the garbage collector
 
 
 def test_an_unclosed_strategy_ends_its_loaders_persistent_workers_when_collected() -> None:
@@ -63,14 +66,7 @@ class _HoldsContext(torch.utils.data.Dataset):  # type: ignore[type-arg]
 def test_a_closed_strategy_whose_data_refers_back_to_it_is_collected() -> None:
     data = _HoldsContext()
     loader = torch.utils.data.DataLoader(data, batch_size=4)
-    strategy = nvtrain.TrainingStrategy(
-        models=torch.nn.Linear(3, 2),
-        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
-        loss_fn=torch.nn.functional.mse_loss,
-        device="cpu",
-        num_epochs=1,
-        validation=nvtrain.ValidationConfig(data=loader),
-    )
+    strategy = _strategy(loader)
     data.ctx = strategy.ctx
     with strategy:
         strategy.run(loader)

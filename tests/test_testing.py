@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nvtrain.testing import RanksFailed, free_port, load_script, run_ranks, start_ranks, wait_ranks
+from nvtrain.testing import RanksFailed, free_port, load_script, run_ranks, spawn_ranks, start_ranks, wait_ranks
 
 REPORT = textwrap.dedent(
     """
@@ -203,3 +203,28 @@ def test_one_deadline_for_all_ranks_and_each_ranks_output_on_a_time_out(tmp_path
     assert message.startswith("the ranks did not finish within 7 s (still running: rank 1)")
     assert "rank 0 had exited with status 0:\nrank 0 started" in message
     assert "rank 1 was killed:\nrank 1 started" in message
+
+
+def _sleeps(rank: int, port: int, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _fails_on_rank_one(rank: int, port: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 failed on purpose")
+
+
+def test_spawn_ranks_gives_up_after_its_timeout_and_ends_the_ranks() -> None:
+    with pytest.MonkeyPatch.context() as patch:  # the spawned ranks import this module by name
+        patch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+        with pytest.raises(RanksFailed, match=r"the 2 ranks did not finish within 2 s"):
+            spawn_ranks(_sleeps, 60.0, timeout_s=2)
+
+
+def test_spawn_ranks_raises_a_ranks_error_with_its_traceback() -> None:
+    import torch.multiprocessing as mp
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+        with pytest.raises(mp.ProcessRaisedException, match="rank 1 failed on purpose"):
+            spawn_ranks(_fails_on_rank_one)

@@ -3,21 +3,17 @@ agree on its step and both continue from it (gloo, CPU)."""
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from nvtrain_checkpoint import CheckpointHook, storage
 
 import nvtrain
-from nvtrain.testing import free_port
+from nvtrain.testing import gloo_group, spawn_ranks
 
 WORLD_SIZE = 2
 
@@ -46,31 +42,18 @@ def _strategy(hook: CheckpointHook, started: list[int], max_steps: int) -> nvtra
 
 def _rank(rank: int, port: int, directory: str, max_steps: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        started: list[int] = []
+    started: list[int] = []
+    with gloo_group(rank, WORLD_SIZE, port):
         hook = CheckpointHook(Path(directory), step_interval=2, resume="auto")
         with _strategy(hook, started, max_steps) as strategy:
             strategy.run(_batches())
-        (Path(directory) / f"started.{rank}").write_text(str(started[0]))
-    finally:
-        dist.destroy_process_group()
+    (Path(directory) / f"started.{rank}").write_text(str(started[0]))
 
 
 def _spawn(root: Path, max_steps: int) -> list[str]:
     with pytest.MonkeyPatch.context() as patch:  # the spawned ranks import this module by name
         patch.syspath_prepend(str(Path(__file__).parent))
-        context = mp.spawn(_rank, args=(free_port(), str(root), max_steps), nprocs=WORLD_SIZE, join=False)
-        deadline = time.monotonic() + 120
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail("the two ranks did not finish within 120 s")
+        spawn_ranks(_rank, str(root), max_steps, nprocs=WORLD_SIZE)
     return [(root / f"started.{rank}").read_text() for rank in range(WORLD_SIZE)]
 
 
