@@ -20,6 +20,7 @@ import datetime
 import gc
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar, final
 
@@ -197,6 +198,31 @@ class _State:
     initialized: bool = False
     find_unused_parameters: bool = False
     broadcast_buffers: bool = False
+    #: The process group's timeout as ``initialize`` was given it (None: torch's default, or an adopted group).
+    timeout: datetime.timedelta | None = None
+
+
+def _ignored_requests(state: _State, **requested: Any) -> list[str]:
+    """What a second :meth:`DistributedManager.initialize` asks for that the existing manager does not have."""
+    ignored = []
+    device = requested["device"]
+    if device is not None and not (
+        device.type == state.device.type and (device.index is None or device.index == state.device.index)
+    ):
+        ignored.append(f"device={str(device)!r} is ignored (the manager trains on {str(state.device)!r})")
+    backend = requested["backend"]
+    if backend is not None and backend != state.backend:
+        ignored.append(f"backend={backend!r} is ignored (the manager's is {state.backend!r})")
+    timeout = requested["timeout"]
+    if timeout is not None and timeout != state.timeout:
+        ignored.append(f"timeout={timeout} is ignored (the process group exists)")
+    for flag in ("find_unused_parameters", "broadcast_buffers"):
+        value = requested[flag]
+        if value is not None and value != getattr(state, flag):
+            ignored.append(
+                f"{flag}={value} is ignored (the manager's is {getattr(state, flag)}; set manager.{flag} to change it)"
+            )
+    return ignored
 
 
 @final
@@ -231,8 +257,8 @@ class DistributedManager:
         device: str | torch.device | None = None,
         backend: str | None = None,
         timeout: datetime.timedelta | None = None,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = False,
+        find_unused_parameters: bool | None = None,
+        broadcast_buffers: bool | None = None,
     ) -> DistributedManager:
         """Read torchrun's environment; with ``WORLD_SIZE > 1`` initialise ``torch.distributed``.
 
@@ -244,13 +270,15 @@ class DistributedManager:
         GPUs it raises :class:`DeviceAssignmentError` (saying what to change) before any
         process group is created. If ``torch.distributed`` is already initialised (by
         your code), it is adopted and :meth:`cleanup` leaves it alone. Calling
-        ``initialize()`` again returns the existing manager.
+        ``initialize()`` again returns the existing manager; one that asks for another
+        device, backend or DDP default than the manager has warns, naming what it
+        ignores (call :meth:`cleanup` first to start over).
         """
         for name, value in (
             ("find_unused_parameters", find_unused_parameters),
             ("broadcast_buffers", broadcast_buffers),
         ):
-            if not isinstance(value, bool):
+            if value is not None and not isinstance(value, bool):
                 raise TypeError(f"DistributedManager.initialize: {name} must be a bool (got {value!r})")
         if backend is not None and (not isinstance(backend, str) or not backend):
             raise ValueError(
@@ -258,7 +286,23 @@ class DistributedManager:
             )
         requested = _as_device(device)
         if cls._state is not None and cls._state.initialized:
+            ignored = _ignored_requests(
+                cls._state,
+                device=requested,
+                backend=backend,
+                timeout=timeout,
+                find_unused_parameters=find_unused_parameters,
+                broadcast_buffers=broadcast_buffers,
+            )
+            if ignored:
+                warnings.warn(
+                    f"DistributedManager.initialize: already initialised, so {'; '.join(ignored)}. It returns the "
+                    "existing manager; call DistributedManager.cleanup() first to initialise with other settings",
+                    stacklevel=2,
+                )
             return cls()
+        find_unused_parameters = bool(find_unused_parameters)
+        broadcast_buffers = bool(broadcast_buffers)
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
             env = TorchrunEnv.from_environ()
@@ -308,7 +352,9 @@ class DistributedManager:
             dist.init_process_group(
                 backend=chosen, init_method="env://", rank=env.rank, world_size=env.world_size, **kwargs
             )
-            state = attrs.evolve(state, backend=chosen, uses_default_group=True, owns_process_group=True)
+            state = attrs.evolve(
+                state, backend=chosen, uses_default_group=True, owns_process_group=True, timeout=timeout
+            )
         cls._state = state
         return cls()
 

@@ -119,6 +119,23 @@ def test_instances_share_one_state() -> None:
     assert DistributedManager.initialize().find_unused_parameters is True  # a second initialize() keeps the state
 
 
+def test_a_second_initialize_asking_for_other_settings_warns() -> None:
+    import warnings
+
+    first = DistributedManager.initialize(device="cpu", find_unused_parameters=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asking for what the manager has, or for nothing, is quiet
+        assert DistributedManager.initialize().device == first.device
+        DistributedManager.initialize(device="cpu", find_unused_parameters=True, broadcast_buffers=False)
+    with pytest.warns(UserWarning, match=r"already initialised") as caught:
+        again = DistributedManager.initialize(device="meta", backend="gloo", find_unused_parameters=False)
+    message = str(caught[0].message)
+    assert "device='meta' is ignored (the manager trains on 'cpu')" in message
+    assert "backend='gloo' is ignored (the manager's is None)" in message
+    assert "find_unused_parameters=False is ignored" in message and "cleanup()" in message
+    assert again.device == torch.device("cpu") and again.find_unused_parameters is True
+
+
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(TypeError, match="find_unused_parameters must be a bool"):
         DistributedManager.initialize(find_unused_parameters=1)  # type: ignore[arg-type]
