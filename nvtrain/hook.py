@@ -141,7 +141,10 @@ class TrainingUpdateHook:
     autocast) closes it in ``abort_batch()`` too, which runs when the batch raises.
     A hook that must perform the optimizer step differently (a loss scaler) defines
     ``step_optimizer(ctx, name, optimizer) -> bool`` returning whether the step
-    really happened; at most one hook per strategy may do so.
+    really happened; at most one hook per strategy may do so. A hook that needs
+    something of the hooks around it defines ``check_composition(step_hooks)``,
+    which the orchestrator calls with the DO_OPTIMIZER_STEP hooks in call order
+    when it is built, and raises ``ValueError`` to refuse the composition.
 
     Class attributes: ``priority`` (lower first, default 50), ``stages`` (a subset
     of the four update stages) and ``exclusive_key`` (two hooks with the same key

@@ -64,6 +64,7 @@ class TrainingUpdateOrchestrator:
             for stage in (_BEFORE_BATCH, _DO_BACKWARD, _DO_OPTIMIZER_STEP, _AFTER_OPTIMIZER_STEP)
         }
         _check_decide_then_act(self._by_stage[_DO_OPTIMIZER_STEP])
+        _let_hooks_check(self._by_stage[_DO_OPTIMIZER_STEP])
         self._before_batch_hooks = self._by_stage[_BEFORE_BATCH]
         self._backward_hooks = self._by_stage[_DO_BACKWARD]
         self._step_plan = tuple(
@@ -377,6 +378,15 @@ def _check_decide_then_act(step_hooks: Sequence[TrainingUpdateHook]) -> None:
             )
         if first_user is None and uses_gradients(hook):
             first_user = hook
+
+
+def _let_hooks_check(step_hooks: Sequence[TrainingUpdateHook]) -> None:
+    """Each hook's own ``check_composition(step_hooks)``: what it needs of the hooks before it (spike
+    skipping: clipping hooks whose pre-clip norms add up to the total norm)."""
+    for hook in step_hooks:
+        check = getattr(hook, "check_composition", None)
+        if callable(check):
+            check(step_hooks)
 
 
 def _undeclared_hint(hook: object) -> str:

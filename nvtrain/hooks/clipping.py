@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import attrs
 import torch
@@ -17,14 +17,38 @@ from nvtrain.validators import number_above, optional_number_above, optional_str
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
 
-__all__ = ["GRAD_NORM", "GradientClippingHook", "OptimizerParameters", "total_grad_norm"]
+__all__ = [
+    "GRAD_NORM",
+    "PRE_CLIP_NORMS",
+    "GradientClippingHook",
+    "OptimizerParameters",
+    "PreClipNorm",
+    "total_grad_norm",
+]
 
 _DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
 
-#: ``(ctx.batch_count, total norm)`` of all optimizers' gradients before clipping, published by a
-#: GradientClippingHook without ``model_keys`` at DO_OPTIMIZER_STEP, so a later hook (spike
-#: skipping) reuses the norm of this very micro-batch instead of computing it again.
+#: ``(ctx.batch_count, total norm)`` of all optimizers' gradients before any clipping, published at
+#: DO_OPTIMIZER_STEP by a GradientClippingHook without ``model_keys`` that clips first on this
+#: micro-batch, so a later hook (spike skipping) reuses the norm of this very micro-batch instead
+#: of computing it again.
 GRAD_NORM: StashKey[tuple[int, torch.Tensor]] = StashKey("grad_norm")
+
+
+class PreClipNorm(NamedTuple):
+    """What one clipping hook measured before it clipped: its parameters' gradient norm."""
+
+    params: list[torch.Tensor]
+    norm_type: float
+    norm: torch.Tensor
+    #: The hook, for messages.
+    owner: str
+
+
+#: ``(ctx.batch_count, parts)``: each GradientClippingHook's :class:`PreClipNorm` of this micro-batch,
+#: in call order. A hook that judges the gradient norm after clipping (spike skipping) builds the
+#: norm of the gradients as they were from these parts and the parameters no hook clipped.
+PRE_CLIP_NORMS: StashKey[tuple[int, list[PreClipNorm]]] = StashKey("pre_clip_norms")
 
 
 def total_grad_norm(
@@ -150,6 +174,7 @@ class GradientClippingHook(TrainingUpdateHook):
 
     _metric: str = attrs.field(init=False, repr=False)
     _params: OptimizerParameters = attrs.field(init=False, repr=False)
+    _label: str = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if (self.max_norm is None) == (self.max_value is None):
@@ -159,6 +184,7 @@ class GradientClippingHook(TrainingUpdateHook):
             )
         self._metric = "grad_norm" if self.model_keys is None else "grad_norm/" + "+".join(self.model_keys)
         self._params = OptimizerParameters(self.model_keys, "GradientClippingHook")
+        self._label = "GradientClippingHook" + (f"(model_keys={self.model_keys})" if self.model_keys else "")
 
     def __call__(self, ctx: TrainingContext, stage: TrainingStage, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
         if stage is not _DO_OPTIMIZER_STEP or will_skip:
@@ -172,6 +198,12 @@ class GradientClippingHook(TrainingUpdateHook):
         else:
             torch.nn.utils.clip_grad_value_(params, self.max_value, foreach=self.foreach)  # type: ignore[arg-type]
         ctx.metrics[self._metric] = norm
-        if self.model_keys is None:
-            ctx.stash[GRAD_NORM] = (ctx.batch_count, norm)
+        stash, batch = ctx.stash, ctx.batch_count
+        record = stash.get(PRE_CLIP_NORMS, None)
+        if record is None or record[0] != batch:  # the first clipping hook of this micro-batch
+            record = (batch, [])
+            stash[PRE_CLIP_NORMS] = record
+            if self.model_keys is None:
+                stash[GRAD_NORM] = (batch, norm)
+        record[1].append(PreClipNorm(params, self.norm_type, norm, self._label))
         return True, None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -12,7 +12,14 @@ import torch
 import torch.distributed as dist
 
 from nvtrain.hook import TrainingUpdateHook
-from nvtrain.hooks.clipping import GRAD_NORM, OptimizerParameters, total_grad_norm
+from nvtrain.hooks.clipping import (
+    GRAD_NORM,
+    PRE_CLIP_NORMS,
+    GradientClippingHook,
+    OptimizerParameters,
+    PreClipNorm,
+    total_grad_norm,
+)
 from nvtrain.stages import TrainingStage
 from nvtrain.validators import int_at_least, number_above, refused, strict_int
 
@@ -96,9 +103,11 @@ class SpikeSkipHook(TrainingUpdateHook):
     ``warmup_steps`` steps were accepted, exceeds ``mean + threshold_sigmas * std``
     of the last ``window`` accepted values. Skipped values never enter the
     statistics. The loss is the mean of the window's micro-batch losses (before
-    any loss scaling); the gradient norm is the one a GradientClippingHook
-    (priority 30) computed for this micro-batch before clipping, or this hook's
-    own ``norm_type`` norm over all optimizers' parameters.
+    any loss scaling); the gradient norm is that of all optimizers' gradients
+    before any clipping: what the GradientClippingHooks (priority 30) measured
+    before they clipped, with the unclipped rest's norm added, or this hook's
+    own ``norm_type`` norm when nothing clipped. Clipping hooks whose measures
+    cannot add up (overlapping ``model_keys``, other norm types) are refused.
 
     Rank-consistent: under torch.distributed one ``all_reduce`` of a small
     ``world_size x signals`` table (each rank fills its own row) gives every rank
@@ -147,6 +156,10 @@ class SpikeSkipHook(TrainingUpdateHook):
     _watch_loss: bool = attrs.field(init=False, repr=False)
     _watch_norm: bool = attrs.field(init=False, repr=False)
     _params: OptimizerParameters = attrs.field(init=False, repr=False)
+    #: Which clipping hooks' parameter lists ``_rest`` was worked out for.
+    _parts_key: tuple[int, ...] = attrs.field(init=False, default=(), repr=False)
+    #: The parameters no clipping hook measured (they are unclipped when this hook judges).
+    _rest: list[torch.Tensor] = attrs.field(init=False, factory=list, repr=False)
     #: Whether the latest decision skipped the step.
     last_skipped: bool = attrs.field(init=False, default=False, repr=False)
 
@@ -232,10 +245,65 @@ class SpikeSkipHook(TrainingUpdateHook):
         return False
 
     def _grad_norm(self, ctx: TrainingContext) -> torch.Tensor:
-        published = ctx.stash.get(GRAD_NORM, None)
-        if published is not None and published[0] == ctx.batch_count:
-            return published[1]
-        return total_grad_norm(self._params(ctx), self.norm_type)
+        """The norm of the gradients as they were before any clipping hook of this micro-batch clipped them."""
+        stash, batch = ctx.stash, ctx.batch_count
+        published = stash.get(GRAD_NORM, None)
+        if published is not None and published[0] == batch:
+            return published[1]  # the first clipping hook measured every parameter: its norm, as it is
+        params = self._params(ctx)
+        parts = stash.get(PRE_CLIP_NORMS, None)
+        if parts is None or parts[0] != batch:
+            return total_grad_norm(params, self.norm_type)  # nothing clipped: the gradients as they are
+        return self._combined_norm(parts[1], params)
+
+    def _combined_norm(self, parts: list[PreClipNorm], params: list[torch.Tensor]) -> torch.Tensor:
+        """The total norm from the clipping hooks' pre-clip norms of their parameters and the rest's own."""
+        key = (id(params), len(params), *(id(part.params) for part in parts), *(len(part.params) for part in parts))
+        if key != self._parts_key:
+            self._rest = _unclipped_rest(parts, params)
+            self._parts_key = key
+        norm_type = parts[0].norm_type
+        norms = [part.norm for part in parts]
+        if self._rest:
+            norms.append(total_grad_norm(self._rest, norm_type))
+        if len(norms) == 1:
+            return norms[0]
+        device = norms[0].device
+        stacked = torch.stack([norm.to(device, torch.float32) for norm in norms])
+        return stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
+
+    def check_composition(self, ordered: Sequence[TrainingUpdateHook]) -> None:
+        """Refuse clipping hooks before this one whose pre-clip norms cannot give the total norm.
+
+        Each clipping hook measures the norm of the gradients it is given; one that clips
+        parameters an earlier one clipped measures clipped gradients, and parts measured
+        in different norm types do not add up to a norm.
+        """
+        if not self._watch_norm:
+            return
+        clippers = [h for h in ordered[: ordered.index(self)] if isinstance(h, GradientClippingHook)]
+        if not clippers or clippers[0].model_keys is None:
+            return  # nothing clipped before the judgement, or the first clipper measured every parameter
+        seen: dict[str, GradientClippingHook] = {}
+        for hook in clippers:
+            label = _clipper_label(hook)
+            if hook.norm_type != clippers[0].norm_type:
+                raise ValueError(
+                    f"SpikeSkipHook judges the gradient norm before clipping, from what each clipping hook "
+                    f"measured, but {_clipper_label(clippers[0])} measures a {clippers[0].norm_type} norm and "
+                    f"{label} a {hook.norm_type} norm, which do not add up to one norm: give them the same "
+                    f"norm_type, or monitor only the loss (monitor=('loss',))"
+                )
+            overlap = seen.keys() if hook.model_keys is None else [k for k in hook.model_keys if k in seen]
+            if overlap:
+                earlier = _clipper_label(seen[next(iter(overlap))])
+                raise ValueError(
+                    f"SpikeSkipHook judges the gradient norm before clipping, but {label} clips gradients that "
+                    f"{earlier} clipped before it, so the norm it measures is of clipped gradients and the "
+                    "spike would be hidden: give each clipping hook its own model_keys, clip everything in "
+                    "the first one (no model_keys), or monitor only the loss (monitor=('loss',))"
+                )
+            seen.update(dict.fromkeys(hook.model_keys or (), hook))
 
     # -- resume ---------------------------------------------------------------------------
 
@@ -259,3 +327,24 @@ class SpikeSkipHook(TrainingUpdateHook):
         window_loss = state.get("window_loss")  # absent from states saved before windows were kept
         self._window_loss = None if window_loss is None else torch.as_tensor(window_loss).float().clone()
         self._window_count = int(state.get("window_count", 0)) if window_loss is not None else 0
+
+
+def _clipper_label(hook: GradientClippingHook) -> str:
+    keys = f"model_keys={hook.model_keys}" if hook.model_keys is not None else "no model_keys"
+    return f"GradientClippingHook({keys}, priority {hook.priority})"
+
+
+def _unclipped_rest(parts: list[PreClipNorm], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` no part measured; refuses parts that share parameters (the later one measured clipped ones)."""
+    owners: dict[int, int] = {}
+    for index, part in enumerate(parts):
+        for tensor in part.params:
+            earlier = owners.setdefault(id(tensor), index)
+            if earlier != index:
+                raise ValueError(
+                    f"SpikeSkipHook judges the gradient norm before clipping, but {part.owner} clipped a "
+                    f"parameter that {parts[earlier].owner} had clipped before it on this micro-batch (their optimizers "
+                    "share it), so the spike would be hidden: clip each parameter in one clipping hook, or "
+                    "monitor only the loss (monitor=('loss',))"
+                )
+    return [tensor for tensor in params if id(tensor) not in owners]
