@@ -154,7 +154,8 @@ class TrainableParameterHook(_AppliedAtSetup):
         """Set the flags on ``models`` now; returns the trainable parameter names per model."""
         _refuse_built_optimizers("TrainableParameterHook", optimizers)
         selected = _selected_models("TrainableParameterHook", models, self.model_keys)
-        named = {key: list(model.named_parameters()) for key, model in selected.items()}
+        # Every name a parameter goes by (a tied weight has several): a pattern may name any of them.
+        named = {key: list(model.named_parameters(remove_duplicate=False)) for key, model in selected.items()}
         all_names = [name for params in named.values() for name, _ in params]
         for field, patterns in (("trainable", self.trainable or ()), ("frozen", self.frozen)):
             for pattern in patterns:
@@ -163,14 +164,22 @@ class TrainableParameterHook(_AppliedAtSetup):
                         f"TrainableParameterHook.{field} pattern {pattern!r} matches no parameter of "
                         f"{sorted(selected)} (parameter names look like: {_examples(all_names)})"
                     )
-        self.trainable_names = {}
-        for key, params in named.items():
+        names_of: dict[int, list[str]] = {}
+        params_by_id: dict[int, torch.nn.Parameter] = {}
+        for params in named.values():
             for name, param in params:
-                if self.trainable is not None:
-                    param.requires_grad_(any(fnmatch.fnmatchcase(name, p) for p in self.trainable))
-                if any(fnmatch.fnmatchcase(name, p) for p in self.frozen):
-                    param.requires_grad_(False)
-            self.trainable_names[key] = [name for name, param in params if param.requires_grad]
+                names_of.setdefault(id(param), []).append(name)
+                params_by_id[id(param)] = param
+        for identity, param in params_by_id.items():  # one decision per parameter, whatever name matched
+            names = names_of[identity]
+            if self.trainable is not None:
+                param.requires_grad_(any(fnmatch.fnmatchcase(n, p) for n in names for p in self.trainable))
+            if any(fnmatch.fnmatchcase(n, p) for n in names for p in self.frozen):
+                param.requires_grad_(False)
+        self.trainable_names = {
+            key: [name for name, param in model.named_parameters() if param.requires_grad]
+            for key, model in selected.items()
+        }
         self._applied = True
         return self.trainable_names
 
@@ -247,7 +256,8 @@ class ModulePatchHook(_AppliedAtSetup):
     when the hook is built, from the working directory or the installed modules
     (not from a config file's folder). The new module is
     moved to the old one's device. When a match lies inside a module that is
-    replaced as well, only the outer one is replaced. A pattern that replaces
+    replaced as well, only the outer one is replaced. A module registered under
+    two names matches either, and its replacement takes every place it held. A pattern that replaces
     nothing is an error naming it; so is running after optimizers were built
     (they would keep training the old parameters).
     """
@@ -273,7 +283,8 @@ class ModulePatchHook(_AppliedAtSetup):
         used: set[str] = set()
         matched: set[str] = set()
         for key, model in selected.items():
-            names = [name for name, _ in model.named_modules() if name]
+            # Every name a module goes by (one registered twice has two): a pattern may name any of them.
+            names = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
             replaced_prefixes: list[str] = []
             for name in names:
                 matching = [p for p in self.patches if fnmatch.fnmatchcase(name, p)]
@@ -303,12 +314,20 @@ class ModulePatchHook(_AppliedAtSetup):
                 f"ModulePatchHook.patches pattern(s) {unused} match no submodule of {sorted(selected)} "
                 f"(module names look like: {examples})"
             )
-        self.replaced = []
+        # One replacement per module object, put in every place that holds it: a module registered
+        # under two names stays shared (tied), it is not split into a new and a stale copy.
+        chosen: dict[int, tuple[torch.nn.Module, str, str, str]] = {}  # id(old) -> (old, pattern, key, name)
         for key, name, pattern in plan:
-            model = selected[key]
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            old = parent.get_submodule(child)
+            old = selected[key].get_submodule(name)
+            earlier = chosen.setdefault(id(old), (old, pattern, key, name))
+            if earlier[1] != pattern:
+                raise ValueError(
+                    f"ModulePatchHook.patches: module {earlier[3]!r} of model {earlier[2]!r} is also registered "
+                    f"as {name!r} of model {key!r}, and patterns {earlier[1]!r} and {pattern!r} would replace "
+                    "it differently; give one pattern for it"
+                )
+        self.replaced = []
+        for old, pattern, key, name in chosen.values():
             new = self.patches[pattern](old)
             if not isinstance(new, torch.nn.Module):
                 raise TypeError(
@@ -318,8 +337,12 @@ class ModulePatchHook(_AppliedAtSetup):
             device = _device_of(old)
             if device is not None:
                 new = new.to(device)
-            setattr(parent, child, new)
-            self.replaced.append((key, name))
+            for model_key, model in selected.items():
+                for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
+                    for child, module in list(parent._modules.items()):
+                        if module is old:
+                            setattr(parent, child, new)
+                            self.replaced.append((model_key, f"{parent_name}.{child}" if parent_name else child))
         self._applied = True
         return self.replaced
 

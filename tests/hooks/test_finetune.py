@@ -322,3 +322,55 @@ def test_module_patch_from_the_command_line_with_an_import_path(
         "hooks[0].patches: hook 'module_patch': ModulePatchHook.patches['6']: cannot import the module factory "
         "'finetune_head_cli:make_hed': 'finetune_head_cli' has no attribute 'make_hed'"
     ) in err
+
+
+# -- a module or parameter that goes by two names ------------------------------------------------
+
+
+class TiedTwice(torch.nn.Module):
+    """One linear layer registered as ``a`` and ``b``, and an untied ``c``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(3, 3)
+        self.b = self.a
+        self.c = torch.nn.Linear(3, 3)
+
+
+@pytest.mark.parametrize("pattern", ["a", "b"])
+def test_patching_a_module_registered_twice_replaces_it_under_both_names(pattern: str) -> None:
+    model = TiedTwice()
+    calls: list[torch.nn.Module] = []
+
+    def factory(old: torch.nn.Module) -> torch.nn.Module:
+        calls.append(old)
+        return torch.nn.Linear(3, 3)
+
+    hook = ModulePatchHook({pattern: factory})
+    replaced = hook.apply({"main": model})
+    assert len(calls) == 1  # one new module, shared as the old one was
+    assert model.a is model.b and model.a is not calls[0]
+    assert sorted(name for _, name in replaced) == ["a", "b"]
+    assert len(list(model.parameters())) == 4  # the new shared layer and c: no stale copy left training
+
+
+def test_patterns_giving_one_module_two_replacements_are_refused() -> None:
+    hook = ModulePatchHook({"a": lambda old: torch.nn.Linear(3, 3), "b": lambda old: torch.nn.Identity()})
+    with pytest.raises(ValueError, match=r"module 'a' of model 'main' is also registered as 'b'.*give one pattern"):
+        hook.apply({"main": TiedTwice()})
+
+
+@pytest.mark.parametrize(
+    ("hook", "trainable"),
+    [
+        (TrainableParameterHook(frozen=("b.weight",)), {"a.bias", "c.weight", "c.bias"}),
+        (TrainableParameterHook(trainable=("b.*",)), {"a.weight", "a.bias"}),
+        (TrainableParameterHook(trainable=("a.*", "c.*"), frozen=("b.bias",)), {"a.weight", "c.weight", "c.bias"}),
+    ],
+)
+def test_a_tied_parameter_is_named_by_either_of_its_names(hook: TrainableParameterHook, trainable: set[str]) -> None:
+    model = TiedTwice()
+    names = hook.apply({"main": model})
+    assert set(names["main"]) == trainable
+    assert {name for name, p in model.named_parameters() if p.requires_grad} == trainable
