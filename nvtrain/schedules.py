@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 import torch
-from torch.optim.lr_scheduler import ConstantLR, LinearLR, ReduceLROnPlateau, SequentialLR
+from torch.optim.lr_scheduler import ConstantLR, LinearLR, OneCycleLR, ReduceLROnPlateau, SequentialLR
 
 from nvtrain.validators import FieldProblem, FieldTypeError, FieldValueError, refused
 
@@ -115,6 +115,12 @@ class Warmup:
                 "warmup: a ReduceLROnPlateau cannot follow a warmup (SequentialLR cannot pass it the metric); "
                 "use a warmup with a step or epoch schedule, or ReduceLROnPlateau alone"
             )
+        if isinstance(after, OneCycleLR):
+            raise TypeError(
+                "warmup: a OneCycleLR cannot follow a warmup: it ramps the LR up itself (from max_lr / div_factor "
+                "over pct_start of its steps) and overwrites the rate the warmup ramps to; shape its ramp with "
+                "pct_start and div_factor instead, or follow the warmup with a cosine or linear schedule"
+            )
         if getattr(after, "optimizer", optimizer) is not optimizer:
             raise ValueError("warmup: factory(optimizer) built a scheduler for another optimizer")
         return SequentialLR(optimizer, [ramp, after], milestones=[self.steps])
@@ -133,6 +139,7 @@ def warmup(factory: SchedulerFactory, steps: int, start_factor: float = 1e-3) ->
     A scheduler step is an optimizer step, or an epoch when the result is wrapped in
     ``nvtrain.LRSchedule(..., interval="epoch")``. A horizon such as ``T_max`` given
     to ``factory`` counts from the end of the warmup. ``ReduceLROnPlateau`` cannot
-    follow a warmup (``SequentialLR`` cannot pass it the metric).
+    follow a warmup (``SequentialLR`` cannot pass it the metric), nor can ``OneCycleLR``
+    (it ramps up itself, overwriting the rate the warmup ramps to).
     """
     return Warmup(factory, steps, start_factor)

@@ -107,6 +107,9 @@ def test_warmup_refuses_what_it_cannot_follow() -> None:
         schedules.warmup("cosine", steps=3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"a ReduceLROnPlateau cannot follow a warmup"):
         schedules.warmup(ReduceLROnPlateau, steps=3)(optimizer())
+    one_cycle = functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=1.0, total_steps=10)
+    with pytest.raises(TypeError, match=r"a OneCycleLR cannot follow a warmup: it ramps the LR up itself"):
+        schedules.warmup(one_cycle, steps=3)(optimizer())
 
 
 def test_warmup_refuses_an_lr_schedule_whose_interval_it_would_drop() -> None:
@@ -249,6 +252,8 @@ def test_config_plateau_steps_after_each_validation_only(tmp_path: Path) -> None
          "validation value 'loss': it cannot follow a warmup"),
         ("{factory: plateau, interval: epoch}", "interval", "interval 'epoch' does not apply"),
         ("{factory: cosine, monitor: loss, warmup_steps: 2}", "warmup_steps", "cannot follow a warmup"),
+        ("{factory: onecycle, warmup_steps: 3, kwargs: {max_lr: 1.0}}", "warmup_steps",
+         "onecycle ramps the LR up itself (from max_lr / div_factor over pct_start of its steps)"),
         ("{factory: cosine, interval: month}", "interval", "expected one of 'step', 'epoch', got str 'month'"),
         ("{factory: cosine, warmup_steps: -1}", "warmup_steps", "LRSchedulerConfig.warmup_steps must be >= 0"),
         ("{factory: step}", "kwargs", "step cannot be called with these kwargs: missing a required argument"),

@@ -133,9 +133,18 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
 
 
 def _check_schedule(loaded: LoadedConfig, scheduler_cls: Any) -> None:
-    """Refuse what a metric-driven scheduler cannot do: follow a warmup, or step per epoch."""
+    """Refuse what a scheduler cannot do: OneCycleLR or a metric-driven one after a warmup, a metric-driven
+    one per epoch."""
     section = loaded.config.lr_scheduler
     assert section is not None
+    one_cycle = isinstance(scheduler_cls, type) and issubclass(scheduler_cls, torch.optim.lr_scheduler.OneCycleLR)
+    if one_cycle and section.warmup_steps:
+        raise loaded.error(
+            f"{section.factory} ramps the LR up itself (from max_lr / div_factor over pct_start of its steps) and "
+            "overwrites the rate a warmup would ramp to: set warmup_steps to 0 and shape its ramp with "
+            "lr_scheduler.kwargs (pct_start, div_factor), or follow the warmup with cosine or linear",
+            ("lr_scheduler", "warmup_steps"),
+        )
     plateau = isinstance(scheduler_cls, type) and issubclass(scheduler_cls, torch.optim.lr_scheduler.ReduceLROnPlateau)
     if not plateau and section.monitor is None:
         return

@@ -206,7 +206,8 @@ class LRSchedulerConfig:
         validator=_not_negative,
         metadata=_doc(
             "Ramp the LR up linearly from 0.001 x lr over this many scheduler steps (epochs with `interval: "
-            "epoch`), then follow `factory` (0: no warmup)."
+            "epoch`), then follow `factory` (0: no warmup). Not with `onecycle`, which ramps up itself, nor "
+            "with a metric-driven schedule."
         ),
     )
     interval: Literal["step", "epoch"] = attrs.field(
