@@ -37,6 +37,8 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from nvtrain.host_rng import apply_host_rng, capture_host_rng
+
 __all__ = [
     "DataCursor",
     "capture_rng",
@@ -210,8 +212,12 @@ def loader_generators(loader: Any) -> dict[str, torch.Generator]:
 
 
 def capture_rng(generators: Sequence[torch.Generator]) -> dict[str, Any]:
-    """The global random state and ``generators``' states, for :func:`restore_rng`."""
-    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
+    """The global random states (torch's, Python's, NumPy's) and ``generators``' states, for :func:`restore_rng`.
+
+    A sampler or data set may draw from any of the global streams, so an epoch's order
+    and what replaying its first micro-batches moves depend on all three.
+    """
+    return {"torch": torch.get_rng_state(), **capture_host_rng(), "generators": [g.get_state() for g in generators]}
 
 
 def restore_rng(state: Mapping[str, Any], generators: Sequence[torch.Generator]) -> None:
@@ -223,6 +229,7 @@ def restore_rng(state: Mapping[str, Any], generators: Sequence[torch.Generator])
             f"dataloader has {len(generators)} generator(s); build the loader the same way as the saved run"
         )
     torch.set_rng_state(state["torch"])
+    apply_host_rng(state)  # an epoch state saved before these were kept has neither: left as they are
     for generator, generator_state in zip(generators, saved, strict=True):
         generator.set_state(generator_state)
 

@@ -247,9 +247,7 @@ class EpochReader:
     def load(self, epoch_rng: Mapping[str, Any] | None, loader_entry: dict[str, Any] | None, position: int) -> None:
         """Resume at ``position`` with the epoch's RNG state and the loader's own state (as
         :meth:`check_loader_entry` returned it)."""
-        self.epoch_rng = (
-            None if epoch_rng is None else {"torch": epoch_rng["torch"], "generators": list(epoch_rng["generators"])}
-        )
+        self.epoch_rng = None if epoch_rng is None else {**epoch_rng, "generators": list(epoch_rng["generators"])}
         self._loaded_state = loader_entry if position > 0 else None
         self.drop()
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import random
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, final
@@ -31,6 +30,7 @@ from nvtrain.errors import ResumeError, first_line
 from nvtrain.full_state import full_into_sharded, load_full_model, load_full_optimizer
 from nvtrain.hook import CheckpointableHook, hook_label
 from nvtrain.hookspecs import PROJECT_NAME, hookimpl
+from nvtrain.host_rng import apply_host_rng, capture_host_rng
 from nvtrain.stages import TrainingStage
 from nvtrain.step_scheduler import stateful_loader_state
 
@@ -150,17 +150,7 @@ def capture_rng_state(loader: Any = None, *, loader_state: bool = True) -> dict[
     with the RNG states, what each rank contributes to a checkpoint that rank 0 writes for
     all of them (``rng_by_rank``).
     """
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    numpy = _numpy()
-    if numpy is not None:
-        np_state = numpy.random.get_state(legacy=False)
-        state["numpy"] = {
-            "bit_generator": np_state["bit_generator"],
-            "key": torch.from_numpy(np_state["state"]["key"].astype("int64")),
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        }
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), **capture_host_rng()}
     if torch.cuda.is_available():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     state["generators"] = {path: gen.get_state() for path, gen in loader_generators(loader).items()}
@@ -274,19 +264,8 @@ def _check_names(kind: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -
 
 def apply_rng_state(state: Mapping[str, Any], loader: Any = None) -> None:
     """Set the generators captured by :func:`capture_rng_state` back."""
-    random.setstate(_as_python_rng(state["python"]))
+    apply_host_rng(state)
     torch.set_rng_state(state["torch"])
-    numpy_state = state.get("numpy")
-    numpy = _numpy()
-    if numpy_state is not None and numpy is not None:
-        numpy.random.set_state(
-            {
-                "bit_generator": numpy_state["bit_generator"],
-                "state": {"key": numpy_state["key"].numpy().astype("uint32"), "pos": numpy_state["pos"]},
-                "has_gauss": numpy_state["has_gauss"],
-                "gauss": numpy_state["gauss"],
-            }
-        )
     cuda_states = state.get("cuda")
     if cuda_states and torch.cuda.is_available():
         if len(cuda_states) != torch.cuda.device_count():
@@ -308,11 +287,6 @@ def apply_loader_generators(state: Mapping[str, Any], loader: Any) -> None:
         generator = live.get(path)
         if generator is not None:
             generator.set_state(gen_state)
-
-
-def _as_python_rng(value: Any) -> tuple[Any, ...]:
-    version, internal, gauss = value
-    return (version, tuple(internal), gauss)
 
 
 def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, scheduler: bool = True) -> None:
@@ -629,11 +603,3 @@ def checkpoint_plugin_function(name: str, purpose: str, *, alternative: str = ""
     raise ImportError(
         f"{purpose} needs the nvtrain-checkpoint distribution (pip install nvtrain-checkpoint){instead}{detail}"
     )
-
-
-def _numpy() -> Any:
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy

@@ -26,6 +26,7 @@ cadence of ``every`` fires when ``scheduler.step % every == 0``, i.e. on the
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import signal
@@ -713,9 +714,7 @@ class StepScheduler:
             "epoch": epoch,
             "position": position,
             # also at position 0 once the epoch's iterator exists (a state taken inside its first window)
-            "epoch_rng": None
-            if rng is None
-            else {"torch": rng["torch"].clone(), "generators": [s.clone() for s in rng["generators"]]},
+            "epoch_rng": None if rng is None else copy.deepcopy(rng),
             "loader": self._loader_entry(position),
             "stream_exhausted": self.stream_exhausted,
             "validation_owed": self.validation_owed,
