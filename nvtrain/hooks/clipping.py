@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.stages import TrainingStage
@@ -67,14 +69,44 @@ def total_grad_norm(
     sharded = [g for g in grads if dtensor is not None and isinstance(g, dtensor)]
     if not sharded:
         return torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
-    norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
-    if dtensor is not None and isinstance(norm, dtensor):
-        norm = norm.full_tensor()  # type: ignore[attr-defined]
+    if math.isinf(norm_type):
+        norm = _sharded_max_norm(sharded, foreach)
+    else:
+        norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
+        if dtensor is not None and isinstance(norm, dtensor):
+            norm = norm.full_tensor()  # type: ignore[attr-defined]
     plain = [g for g in grads if not (dtensor is not None and isinstance(g, dtensor))]
     if plain:
         rest = torch.nn.utils.get_total_norm(plain, norm_type, foreach=foreach)
         norm = torch.linalg.vector_norm(torch.stack([norm, rest.to(norm.device)]), norm_type)
     return norm
+
+
+def _sharded_max_norm(grads: list[Any], foreach: bool | None) -> torch.Tensor:
+    """The infinity norm of DTensor gradients: each rank's largest local element, the maximum over the shards.
+
+    torch refuses the infinity norm of an empty tensor, and FSDP leaves a rank an empty
+    shard of a parameter with fewer rows than ranks (a ``Linear(h, 1)`` head on 2 ranks),
+    so the local maxima are taken here, 0 for a rank without elements, and reduced with
+    MAX over each mesh dimension the gradients are sharded on (every rank takes part).
+    """
+    groups: dict[tuple[int, tuple[Any, ...]], list[Any]] = {}
+    for grad in grads:
+        groups.setdefault((id(grad.device_mesh), tuple(grad.placements)), []).append(grad)
+    norms = []
+    for members in groups.values():
+        local = [grad.to_local() for grad in members]
+        filled = [tensor for tensor in local if tensor.numel()]
+        if filled:
+            norm = torch.nn.utils.get_total_norm(filled, math.inf, foreach=foreach)
+        else:
+            norm = torch.zeros((), dtype=local[0].dtype, device=local[0].device)
+        mesh = members[0].device_mesh
+        for dim, placement in enumerate(members[0].placements):
+            if placement.is_shard():
+                dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        norms.append(norm)
+    return norms[0] if len(norms) == 1 else torch.stack(norms).max()
 
 
 def _dtensor_type() -> type | None:

@@ -37,7 +37,7 @@ from nvtrain.validators import (
     optional_int_at_least,
     optional_non_empty_str,
 )
-from nvtrain_fsdp.sharding import gathered_state_dict, shard_model
+from nvtrain_fsdp.sharding import gathered_state_dict, shard_model, sharding_units
 
 __all__ = ["FSDPHook"]
 
@@ -269,6 +269,7 @@ class FSDPHook(ShardsTrainLoader):
                 )
             for key in self._keys(ctx):  # one script for python and torchrun: a meta model is still built here
                 model = ctx.models[key]
+                sharding_units(model, self.shard_classes, key=key)  # what torchrun would refuse, refused here too
                 if on_meta_device(model):
                     self._materialise(model, self._meta_initialisers(key, model), ctx.device)
             return

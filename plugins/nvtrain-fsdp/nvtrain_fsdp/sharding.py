@@ -50,8 +50,40 @@ def sharding_units(
             for name, child in model.named_children()
             if next(child.parameters(), None) is not None
         ]
+    _refuse_tied_across_units(model, [name for name, _ in units], owner=owner, key=key, chosen=bool(names))
     # named_modules() lists a parent before its children: shard in reverse, innermost first.
     return list(reversed(units))
+
+
+def _refuse_tied_across_units(
+    model: torch.nn.Module, units: list[str], *, owner: str, key: str, chosen: bool
+) -> None:
+    """A parameter registered in two units (tied weights: an embedding and an output head) cannot be sharded:
+    ``fully_shard`` gives each parameter to one unit and fails at the first forward. Refused here, naming both."""
+    def unit_of(name: str) -> str:
+        holders = [unit for unit in units if name.startswith(unit + ".")]
+        return max(holders, key=len) if holders else ""
+
+    first: dict[int, tuple[str, str]] = {}  # id(parameter) -> (its first name, that name's unit)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        unit = unit_of(name)
+        seen = first.setdefault(id(param), (name, unit))
+        if seen[1] != unit:
+            where = [f"{seen[0]!r} in {_unit_label(seen[1])}", f"{name!r} in {_unit_label(unit)}"]
+            advice = (
+                "choose shard_classes so that both names fall in one unit or in the root"
+                if chosen
+                else "set shard_classes to the class names of the repeated blocks (a transformer's layers): "
+                "they become the units, and the tied modules stay in the root"
+            )
+            raise ValueError(
+                f"{owner}: model {key!r} ties one parameter as {where[0]} and as {where[1]}; FSDP shards a "
+                f"parameter in one unit only, so the units cannot share it: {advice}"
+            )
+
+
+def _unit_label(unit: str) -> str:
+    return f"unit {unit!r}" if unit else "the root"
 
 
 def shard_model(

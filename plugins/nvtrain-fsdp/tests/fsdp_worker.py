@@ -11,6 +11,7 @@ against (``reference.pt``), computed with plain torch on the same global batches
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -34,14 +35,14 @@ LR = 0.01
 LOCAL_BATCH = 4
 
 
-def make_model() -> torch.nn.Module:
+def make_model(outputs: int = 3) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, outputs))
 
 
-def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_data(n: int, outputs: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1234)
-    return torch.randn(n, 4, generator=generator), torch.randn(n, 3, generator=generator)
+    return torch.randn(n, 4, generator=generator), torch.randn(n, outputs, generator=generator)
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
@@ -68,9 +69,11 @@ def reference(
     skip: tuple[int, ...] = (),
     ema_decay: float | None = None,
     optimizer: Callable[[Any], torch.optim.Optimizer] = adamw,
+    norm_type: float = 2.0,
+    outputs: int = 3,
 ) -> dict[str, Any]:
     """One process on the global batches, by hand: parameters, pre-clip norms and the EMA weights."""
-    model = make_model()
+    model = make_model(outputs)
     opt = optimizer(model.parameters())
     batches = global_batches(x, y, steps * accumulation, world_size)
     norms, ema = [], None
@@ -81,7 +84,7 @@ def reference(
             loss = torch.nn.functional.mse_loss(model(x[index]), y[index]) / accumulation
             loss.backward()
         if max_norm is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).detach().clone())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type).detach().clone())
         if step in skip:
             continue
         opt.step()
@@ -165,9 +168,9 @@ def finish(manager: nvtrain.DistributedManager | None) -> None:
         nvtrain.DistributedManager.cleanup()
 
 
-def strategy_for(manager: Any, hooks: list[Any], **kwargs: Any) -> nvtrain.TrainingStrategy:
+def strategy_for(manager: Any, hooks: list[Any], outputs: int = 3, **kwargs: Any) -> nvtrain.TrainingStrategy:
     return nvtrain.TrainingStrategy(
-        make_model(),
+        make_model(outputs),
         kwargs.pop("optimizers", adamw),
         torch.nn.functional.mse_loss,
         hooks=hooks,
@@ -258,6 +261,28 @@ def clipping(out: Path) -> None:
     save(out, f"rank{manager.rank}.pt", payload)
     if manager.rank == 0:
         save(out, "reference.pt", reference(x, y, steps=4, world_size=manager.world_size, max_norm=0.05))
+    finish(manager)
+
+
+def clipping_inf(out: Path) -> None:
+    """The infinity norm over shards, with a one-output head: rank 1 holds empty shards of its weight and bias."""
+    manager = nvtrain.DistributedManager.initialize(device="cpu")
+    x, y = make_data(32, outputs=1)
+    record = RecordNorms()
+    clip = GradientClippingHook(max_norm=0.05, norm_type=math.inf)
+    strategy = strategy_for(manager, [FSDPHook(), clip, record], outputs=1)
+    with strategy:
+        strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
+        model = strategy.ctx.models["main"]
+        payload = {
+            "params": gathered(model),
+            "norms": [n.detach().clone() for n in record.norms],
+            "local_rows": [p.to_local().shape[0] for p in model.parameters()],
+        }
+    save(out, f"rank{manager.rank}.pt", payload)
+    if manager.rank == 0:
+        ref = reference(x, y, steps=4, world_size=manager.world_size, max_norm=0.05, norm_type=math.inf, outputs=1)
+        save(out, "reference.pt", ref)
     finish(manager)
 
 
@@ -492,7 +517,7 @@ def hsdp(out: Path) -> None:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (equivalence, accumulation, clipping, spike_skip, ema, ema_without_reshard, bf16, fp16, hsdp)
+    for f in (equivalence, accumulation, clipping, clipping_inf, spike_skip, ema, ema_without_reshard, bf16, fp16, hsdp)
 }
 
 

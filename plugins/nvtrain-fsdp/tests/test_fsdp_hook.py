@@ -254,6 +254,52 @@ def test_a_shard_class_that_matches_nothing_is_refused() -> None:
         strategy.setup(make_loader())
 
 
+def test_a_shard_class_that_matches_nothing_is_refused_in_one_process_too() -> None:
+    """No process group (python, not torchrun): nothing is sharded, but a typo fails here as it would there."""
+    strategy = make_strategy(FSDPHook(shard_classes=["Blokc"]))
+    with strategy, pytest.raises(ValueError, match=r"FSDPHook.shard_classes: model 'main' has no submodule of class"):
+        strategy.setup(make_loader())
+
+
+class TiedHead(torch.nn.Module):
+    """An input projection and an output head sharing one weight, blocks between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(4, 4, bias=False)
+        self.blocks = torch.nn.Sequential(Block(), Block())
+        self.head = torch.nn.Linear(4, 4, bias=False)
+        self.head.weight = self.embed.weight  # one parameter, registered in two modules
+        self.out = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.head(self.blocks(self.embed(x))))
+
+
+@pytest.mark.parametrize("world", ["world_of_one", "no_group"])
+def test_weights_tied_across_units_are_refused_naming_both(world: str, request: pytest.FixtureRequest) -> None:
+    if world == "world_of_one":
+        request.getfixturevalue("world_of_one")
+    strategy = make_strategy(FSDPHook(), models=TiedHead())
+    message = (
+        r"FSDPHook: model 'main' ties one parameter as 'embed.weight' in unit 'embed' and as 'head.weight' in unit "
+        r"'head'; .* set shard_classes to the class names of the repeated blocks"
+    )
+    with strategy, pytest.raises(ValueError, match=message):
+        strategy.setup(make_loader())
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_tied_weights_in_the_root_shard_and_train() -> None:
+    strategy = make_strategy(FSDPHook(shard_classes=["Block"]), models=TiedHead(), num_epochs=1)
+    with strategy:
+        result = strategy.run(make_loader())
+        model = strategy.ctx.models["main"]
+        assert isinstance(model, FSDPModule) and model.embed.weight is model.head.weight
+        assert result.step_count == 4 and all(torch.isfinite(p.full_tensor()).all() for p in model.parameters())
+
+
 @pytest.mark.usefixtures("world_of_one")
 def test_an_unknown_model_key_is_refused() -> None:
     strategy = make_strategy(FSDPHook(model_keys="student"))

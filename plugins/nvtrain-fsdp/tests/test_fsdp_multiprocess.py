@@ -51,7 +51,17 @@ def assert_close_to(params: list[torch.Tensor], reference: list[torch.Tensor], *
         torch.testing.assert_close(got, want, **({"rtol": RTOL, "atol": ATOL} | tolerance))
 
 
-SUITE = ("equivalence", "accumulation", "clipping", "spike_skip", "ema", "ema_without_reshard", "bf16", "fp16")
+SUITE = (
+    "equivalence",
+    "accumulation",
+    "clipping",
+    "clipping_inf",
+    "spike_skip",
+    "ema",
+    "ema_without_reshard",
+    "bf16",
+    "fp16",
+)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +120,19 @@ def test_clipping_uses_the_global_norm_over_all_shards(suite: Path) -> None:
         assert min(float(n) for n in result["norms"]) > 0.05  # every step was clipped
     assert_same_across_ranks(results[0]["params"], results[1]["params"])
     assert_close_to(results[0]["params"], reference["params"])
+
+
+def test_the_infinity_norm_over_shards_counts_a_rank_with_empty_shards(suite: Path) -> None:
+    out = suite / "clipping_inf"
+    first, second = ranks(out)
+    reference = load(out, "reference.pt")
+    assert 0 in second["local_rows"]  # the head's one row went to rank 0: rank 1 holds empty shards
+    for result in (first, second):
+        assert len(result["norms"]) == 4
+        for got, want in zip(result["norms"], reference["norms"], strict=True):
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    assert_same_across_ranks(first["params"], second["params"])
+    assert_close_to(first["params"], reference["params"])
 
 
 def test_spike_skip_makes_every_rank_skip_the_same_step(suite: Path) -> None:
