@@ -19,6 +19,7 @@ from nvtrain.validators import (
     float_in_range,
     int_at_least,
     non_empty_str,
+    optional_non_empty_str,
     refused,
     strict_bool,
     strict_int,
@@ -78,6 +79,9 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     #: Average module buffers (e.g. BatchNorm running statistics) as well.
     use_buffers: bool = attrs.field(default=False, validator=strict_bool)
     priority: int = attrs.field(default=50, validator=strict_int)
+    #: Names this average in checkpoints (``ema:<state_key>``; default ``ema:<model_key>``): two averages of one
+    #: model, a fast and a slow one, each need their own.
+    state_key: str | None = attrs.field(default=None, validator=optional_non_empty_str())
     #: EMA updates performed so far (an output, restored from checkpoints; read through num_updates).
     _num_updates: int = attrs.field(init=False, default=0, repr=False)
 

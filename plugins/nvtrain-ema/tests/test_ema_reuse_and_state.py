@@ -209,3 +209,41 @@ def test_a_half_precision_average_that_would_stall_warns_once(dtype: torch.dtype
     if warns:
         assert f"EMAHook (model 'main'): the average is kept in {dtype}" in str(stalls[0].message)
     assert all(p.dtype == dtype for p in ema.get_averaged_model().module.parameters())  # the model's dtype
+
+
+def test_two_averages_of_one_model_save_and_resume_under_their_state_keys() -> None:
+    """A fast and a slow average of the same model: refused without state keys, each restored to its own with."""
+    with pytest.raises(ValueError, match=r"both save their checkpoint state under the key 'ema:main'"):
+        make_strategy([EMAHook(decay=0.5), EMAHook(decay=0.9)]).state_dict()
+
+    def hooks() -> list[EMAHook]:
+        return [EMAHook(decay=0.5, state_key="fast"), EMAHook(decay=0.9, state_key="slow")]
+
+    straight_hooks = hooks()
+    straight = make_strategy(straight_hooks)
+    batches = make_batches(6)
+    for batch in batches[:3]:
+        straight.train_batch(batch)
+    state = roundtrip(straight.state_dict())
+    assert {"ema:fast", "ema:slow"} <= set(state["hooks"])
+    for batch in batches[3:]:
+        straight.train_batch(batch)
+
+    resumed_hooks = hooks()[::-1]  # registered in the other order: the keys, not the order, match them up
+    resumed = make_strategy(resumed_hooks)
+    resumed.load_state_dict(state)
+    for batch in batches[3:]:
+        resumed.train_batch(batch)
+    for straight_hook, resumed_hook in zip(straight_hooks, resumed_hooks[::-1], strict=True):
+        assert_same(resumed_hook.averaged_weights(), straight_hook.averaged_weights())
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(
+            straight_hooks[0].averaged_weights().values(), straight_hooks[1].averaged_weights().values(), strict=True
+        )
+    )
+
+
+def test_a_state_key_must_be_a_non_empty_string() -> None:
+    with pytest.raises(ValueError, match=r"EMAHook\.state_key"):
+        EMAHook(state_key="")
