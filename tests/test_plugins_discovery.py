@@ -461,7 +461,7 @@ def test_a_known_class_resolves_from_its_distribution(good: str, monkeypatch: py
 
     assert FakeObserver is nvtrain.plugins.hook_class("fake-good:FakeObserver")
     monkeypatch.setenv("NVTRAIN_PLUGINS", "other")
-    with pytest.raises(ImportError, match=r"NVTRAIN_PLUGINS=other does not list"):
+    with pytest.raises(ImportError, match=r"NVTRAIN_PLUGINS=other does not list; add 'fake-good' there to use FakeObserver"):
         nvtrain.hooks.FakeObserver  # noqa: B018
 
 

@@ -48,7 +48,7 @@ def _from_distribution(name: str, distribution: str, module: str) -> type:
         entry_points = ", ".join(repr(r.name) for r in records)
         raise ImportError(
             f"{name} is provided by plugin {entry_points} ({records[0].source}), which "
-            f"{ALLOW_LIST_ENV}={','.join(allowed or ())} does not list; add it there to use {name}",
+            f"{ALLOW_LIST_ENV}={','.join(allowed or ())} does not list; add {records[0].name!r} there to use {name}",
             name=module,
         )
     provided = []
