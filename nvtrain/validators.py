@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -28,6 +29,7 @@ __all__ = [
     "FieldValueError",
     "a_bool",
     "a_callable",
+    "blocking_file",
     "float_in_range",
     "int_at_least",
     "non_empty_str",
@@ -102,6 +104,18 @@ def refused(
     if message is None:
         message = f"{owner}.{field} must be {expected} (got {value!r})"
     return error(message, owner=owner, field=field, value=value, expected=expected)
+
+
+def blocking_file(folder: Path) -> Path | None:
+    """The existing file that stops ``folder`` from being created (``folder`` itself or a parent), or None.
+
+    A folder setting is checked with it when the hook is built: ``out/sub`` under a file
+    ``out`` fails then, naming the setting, not at the first write with an OS error.
+    """
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return None if path.is_dir() else path
+    return None
 
 
 def satisfies(

@@ -17,7 +17,7 @@ import torch
 
 import nvtrain
 from nvtrain.state import capture_rng_state, capture_state, load_state, strategy_hooks, without_data_position
-from nvtrain.validators import FieldTypeError, one_of, optional_int_at_least, refused, strict_bool
+from nvtrain.validators import FieldTypeError, blocking_file, one_of, optional_int_at_least, refused, strict_bool
 from nvtrain_checkpoint import sharded, storage, writer_process
 from nvtrain_checkpoint.export import export_weights
 from nvtrain_checkpoint.snapshot import snapshot
@@ -580,11 +580,13 @@ def _newest_intact(root: Path, *, warn: bool) -> tuple[Path | None, frozenset[st
 
 
 def _require_directory(path: Path) -> None:
-    """Refuse a ``checkpoint_dir`` that exists but is not a directory (a file of that name): one clear line
-    naming the field, before anything reads or writes under it."""
-    if path.exists() and not path.is_dir():
+    """Refuse a ``checkpoint_dir`` that cannot be a directory (it, or a folder above it, is a file): one clear
+    line naming the field, before anything reads or writes under it."""
+    blocking = blocking_file(path)
+    if blocking is not None:
         expected = "a directory (or a path where one can be created)"
-        message = f"CheckpointHook.checkpoint_dir must be {expected}; {str(path)!r} is a file"
+        where = "is a file" if blocking == path else f"lies under {str(blocking)!r}, which is a file"
+        message = f"CheckpointHook.checkpoint_dir must be {expected}; {str(path)!r} {where}"
         raise refused("CheckpointHook", "checkpoint_dir", str(path), expected, message=message, error=FieldTypeError)
 
 

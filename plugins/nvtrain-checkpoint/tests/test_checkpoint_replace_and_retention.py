@@ -186,6 +186,12 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused_when_the_hook_is_built(tmp_p
         CheckpointHook(path)
 
 
+def test_a_checkpoint_dir_under_a_file_is_refused_naming_the_file(tmp_path: Path) -> None:
+    (tmp_path / "runs").write_text("not a directory")
+    with pytest.raises(FieldTypeError, match=r"checkpoint_dir must be a directory .* lies under '.*runs', which is a file"):
+        CheckpointHook(tmp_path / "runs" / "job" / "checkpoints")
+
+
 @pytest.mark.parametrize("resume", ["never", "auto"])
 def test_a_checkpoint_dir_that_became_a_file_is_refused_at_the_start_of_a_run(
     tmp_path: Path, driver: ModuleType, resume: str

@@ -18,6 +18,7 @@ from nvtrain.validators import (
     FieldProblem,
     FieldTypeError,
     FieldValueError,
+    blocking_file,
     refused,
     satisfies,
     strict_bool,
@@ -77,8 +78,8 @@ def _unsupported_message(unsupported: list[ProfilerActivity]) -> str:
 
 
 _output_dir = satisfies(
-    "a folder path, not an existing file",
-    lambda value: not (value.exists() and not value.is_dir()),
+    "a folder path, neither an existing file nor under one",
+    lambda value: blocking_file(value) is None,
 )
 
 _schedule = satisfies(

@@ -153,8 +153,9 @@ def test_an_activity_this_machine_cannot_profile_is_refused_when_built(
 
 def test_an_existing_file_as_output_dir_is_refused_when_built(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(FieldValueError, match=r"^TorchProfilerHook\.output_dir must be a folder path, not an existing"):
-        TorchProfilerHook(output_dir=tmp_path / "afile", activities=["cpu"])
+    for below in ("", "sub/dir"):  # the file itself, or a folder that would have to be made inside it
+        with pytest.raises(FieldValueError, match=r"^TorchProfilerHook\.output_dir must be a folder path, neither"):
+            TorchProfilerHook(output_dir=tmp_path / "afile" / below, activities=["cpu"])
     assert TorchProfilerHook(output_dir=tmp_path, activities=["cpu"]).output_dir == tmp_path
 
 
