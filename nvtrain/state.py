@@ -114,6 +114,8 @@ def checkpointable_hooks(hooks: Iterable[object]) -> dict[str, CheckpointableHoo
     for hook in hooks:
         if isinstance(hook, type) or not isinstance(hook, CheckpointableHook):
             continue
+        if getattr(hook, "saves_state", True) is False:  # state it keeps elsewhere (see SchedulerAccumulationHook)
+            continue
         key = hook_state_key(hook)
         other = keyed.get(key)
         if other is not None:
@@ -441,7 +443,9 @@ def _apply_hook_states(strategy: TrainingStrategy, saved: Mapping[str, Any], *, 
         except Exception as err:
             err.add_note(f"while restoring the state of hook {hook_label(hook)} (key {key!r}) from a checkpoint")
             raise
-    unused = sorted(set(saved) - set(live))
+    # A hook that keeps its state elsewhere now may find what it saved before it did: nothing to say.
+    quiet = {hook_state_key(h) for h in hooks if getattr(h, "saves_state", True) is False}
+    unused = sorted(set(saved) - set(live) - quiet)
     if unused:
         warnings.warn(
             f"the checkpoint holds state for hook(s) {unused} that this strategy does not have; ignored",

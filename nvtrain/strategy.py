@@ -486,9 +486,9 @@ class TrainingStrategy:
                     "drop one of them or make them agree"
                 )
         elif steps > 1:
-            from nvtrain.hooks.accumulation import GradientAccumulationHook
+            from nvtrain.hooks.accumulation import SchedulerAccumulationHook
 
-            self.register_hook(GradientAccumulationHook(steps=steps))
+            self.register_hook(SchedulerAccumulationHook(steps=steps))
 
     def _follow_scheduler(self, scheduler: StepScheduler) -> None:
         """After BEFORE_TRAINING (where a resume may load a position) the counters follow the scheduler."""

@@ -118,9 +118,9 @@ class GradientAccumulationHook(TrainingUpdateHook):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         steps = int(state["steps"])
-        if steps != self.steps:
+        if steps != self.steps and int(state["position"]) != 0:  # at a window's start any size fits
             raise ValueError(
-                f"GradientAccumulationHook.load_state_dict: the state was saved with steps={steps}, "
+                f"GradientAccumulationHook.load_state_dict: the state was saved inside a window of steps={steps}, "
                 f"this hook has steps={self.steps}"
             )
         position = int(state["position"])
@@ -129,3 +129,14 @@ class GradientAccumulationHook(TrainingUpdateHook):
                 f"GradientAccumulationHook.load_state_dict: position {position} is not in a window of {steps}"
             )
         self._position = position
+
+
+class SchedulerAccumulationHook(GradientAccumulationHook):
+    """The accumulation a step scheduler's ``global_batch_size`` implies, added by ``run()`` itself.
+
+    Its windows are the scheduler's, whose position the checkpoint keeps, so it saves no
+    state of its own: a resume on another number of ranks (which accumulates over
+    another number of micro-batches, or not at all) finds nothing to reconcile.
+    """
+
+    saves_state: ClassVar[bool] = False
