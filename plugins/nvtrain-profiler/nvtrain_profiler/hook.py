@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -83,10 +83,44 @@ _output_dir = satisfies(
 )
 
 _schedule = satisfies(
-    "a callable step -> ProfilerAction, e.g. torch.profiler.schedule(wait=1, warmup=1, active=3), or None",
+    "a callable step -> ProfilerAction, e.g. torch.profiler.schedule(wait=1, warmup=1, active=3), "
+    "a mapping of its arguments ({wait: 1, warmup: 1, active: 3}), or None",
     lambda value: value is None or callable(value),
     error=FieldTypeError,
 )
+
+#: torch.profiler.schedule's arguments, each an int of at least this (``active`` records at least one step).
+_SCHEDULE_ARGUMENTS = {"wait": 0, "warmup": 0, "active": 1, "repeat": 0, "skip_first": 0}
+
+
+def _as_schedule(value: Any) -> Any:
+    """A mapping of ``torch.profiler.schedule``'s arguments (all a config can give) as that schedule; anything
+    else unchanged, for the validator."""
+    if not isinstance(value, Mapping):
+        return value
+    unknown = sorted(set(map(str, value)) - set(_SCHEDULE_ARGUMENTS))
+    if unknown or "active" not in value:
+        why = f"unknown key(s) {unknown}" if unknown else "no 'active'"
+        raise refused(
+            "TorchProfilerHook",
+            "schedule",
+            dict(value),
+            f"torch.profiler.schedule's arguments ({', '.join(_SCHEDULE_ARGUMENTS)}; 'active' required)",
+            message=f"TorchProfilerHook.schedule: {why} in {dict(value)!r}; torch.profiler.schedule takes "
+            f"{', '.join(_SCHEDULE_ARGUMENTS)} (ints; 'active' >= 1 is required)",
+        )
+    for key, least in _SCHEDULE_ARGUMENTS.items():
+        given = value.get(key, least if key != "active" else None)
+        if isinstance(given, bool) or not isinstance(given, int) or given < least:
+            raise refused(
+                "TorchProfilerHook",
+                "schedule",
+                dict(value),
+                f"schedule.{key} an int >= {least}",
+                message=f"TorchProfilerHook.schedule.{key} must be an int >= {least} (got {given!r})",
+            )
+    arguments = {key: least for key, least in _SCHEDULE_ARGUMENTS.items() if key != "active"}  # torch's defaults
+    return torch.profiler.schedule(**(arguments | {str(key): int(arg) for key, arg in value.items()}))
 
 
 @attrs.define(eq=False)
@@ -114,7 +148,9 @@ class TorchProfilerHook:
     #: What to trace; None is torch.profiler's default (CPU, plus CUDA when available).
     activities: tuple[ProfilerActivity, ...] | None = attrs.field(default=None, converter=_as_activities)
     #: ``step -> ProfilerAction`` (``torch.profiler.schedule(...)``); None records everything.
-    schedule: Callable[[int], ProfilerAction] | None = attrs.field(default=None, validator=_schedule)
+    schedule: Callable[[int], ProfilerAction] | None = attrs.field(
+        default=None, converter=_as_schedule, validator=_schedule
+    )
     record_shapes: bool = attrs.field(default=False, validator=strict_bool)
     profile_memory: bool = attrs.field(default=False, validator=strict_bool)
     with_flops: bool = attrs.field(default=False, validator=strict_bool)

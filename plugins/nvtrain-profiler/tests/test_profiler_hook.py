@@ -70,6 +70,37 @@ def test_schedule_writes_one_trace_per_active_cycle(tmp_path: Path) -> None:
         assert len(steps) == 2
 
 
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events at the end of each cycle")
+def test_a_schedule_given_as_its_arguments_is_built_from_them(tmp_path: Path) -> None:
+    """What a config can say: ``schedule: {wait: 1, warmup: 1, active: 2, repeat: 2}``."""
+    arguments = {"wait": 1, "warmup": 1, "active": 2, "repeat": 2}
+    profiler = nvtrain.plugins.load("profiler", output_dir=tmp_path, activities=["cpu"], schedule=arguments)
+    expected = torch.profiler.schedule(**arguments)
+    assert [profiler.schedule(step) for step in range(10)] == [expected(step) for step in range(10)]  # type: ignore[misc]
+    with make_strategy([profiler]) as strategy:
+        strategy.run(make_batches(9))
+    assert len(trace_files(tmp_path)) == 2
+    only_active = TorchProfilerHook(schedule={"active": 3})  # the others default to 0, as in torch
+    assert [only_active.schedule(step) for step in range(4)] == [  # type: ignore[misc]
+        torch.profiler.schedule(wait=0, warmup=0, active=3)(step) for step in range(4)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        ({"wait": 1, "warmup": 1}, r"TorchProfilerHook\.schedule: no 'active' in"),
+        ({"active": 2, "wiat": 1}, r"TorchProfilerHook\.schedule: unknown key\(s\) \['wiat'\]"),
+        ({"active": 0}, r"TorchProfilerHook\.schedule\.active must be an int >= 1 \(got 0\)"),
+        ({"active": 2, "repeat": 1.5}, r"TorchProfilerHook\.schedule\.repeat must be an int >= 0 \(got 1\.5\)"),
+        ({"active": 2, "wait": True}, r"TorchProfilerHook\.schedule\.wait must be an int >= 0 \(got True\)"),
+    ],
+)
+def test_bad_schedule_arguments_are_named(schedule: dict[str, Any], message: str) -> None:
+    with pytest.raises(FieldValueError, match=message):
+        TorchProfilerHook(schedule=schedule)
+
+
 def test_profiler_is_finalised_after_an_exception(tmp_path: Path) -> None:
     calls = {"n": 0}
 
