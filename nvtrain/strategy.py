@@ -30,7 +30,13 @@ from nvtrain.registry import HookRegistry
 from nvtrain.run_release import LiveData
 from nvtrain.stages import TrainingStage
 from nvtrain.step_scheduler import StepScheduler, StepSchedulerConfig
-from nvtrain.validation import ValidationConfig, ValidationLoop, validation_autocast, validation_models
+from nvtrain.validation import (
+    ValidationConfig,
+    ValidationLoop,
+    averages_to_validate,
+    validation_autocast,
+    validation_models,
+)
 from nvtrain.validators import optional_int_at_least
 
 __all__ = ["RunResult", "TrainingStrategy"]
@@ -299,6 +305,8 @@ class TrainingStrategy:
             from nvtrain.state import checkpointable_hooks, strategy_hooks
 
             checkpointable_hooks(strategy_hooks(self))
+        if self.validation is not None:  # which averages use_ema evaluates: refused now, not at the first validation
+            averages_to_validate(self.registry.hooks(), self.validation)
         scheduler = self._build_scheduler(ctx.train_loader)
         self._warn_unstepped_metric_schedules(scheduler)
         ctx.scheduler = scheduler

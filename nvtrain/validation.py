@@ -10,9 +10,9 @@ import attrs
 import torch
 
 from nvtrain.hook import AveragesWeights, ProvidesAutocast
-from nvtrain.validators import FieldTypeError, optional_int_at_least, refused, satisfies, strict_bool
+from nvtrain.validators import FieldTypeError, optional_int_at_least, refused, satisfies
 
-__all__ = ["ValidationConfig", "ValidationLoop", "validation_autocast", "validation_models"]
+__all__ = ["ValidationConfig", "ValidationLoop", "averages_to_validate", "validation_autocast", "validation_models"]
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 Metric = Callable[[Any, Any], torch.Tensor]
@@ -25,6 +25,12 @@ _true_false_or_auto = satisfies(
 
 
 #: ValidationConfig.every_n_epochs: an int >= 1, None or "auto".
+_bool_or_state_key = satisfies(
+    "True, False or the state_key of the EMA hook whose average to evaluate ('auto' is the config file's)",
+    lambda value: isinstance(value, bool) or (isinstance(value, str) and value not in ("", "auto")),
+    error=FieldTypeError,
+)
+
 _epochs_none_or_auto = satisfies(
     "an int >= 1, None (never at epoch ends) or 'auto'",
     lambda v: v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
@@ -66,7 +72,8 @@ class ValidationConfig:
     ``use_mixed_precision``: ``"auto"`` follows the registered mixed-precision hook,
     ``True`` / ``False`` force it. ``use_ema``: evaluate the EMA weights when an EMA
     hook is registered (True or False: ``"auto"`` is the config file's, which the CLI
-    resolves). ``metrics`` maps names to ``fn(outputs, targets) -> tensor`` (a
+    resolves); with two averages of one model (a fast and a slow EMA), the
+    ``state_key`` of the one to evaluate. ``metrics`` maps names to ``fn(outputs, targets) -> tensor`` (a
     per-batch mean); names such as ``"accuracy"`` are resolved by the config file's
     ``validation.metrics`` only: in Python pass the function
     (``nvtrain.builtin.metrics.accuracy``). Both are checked when the config is built.
@@ -76,7 +83,7 @@ class ValidationConfig:
     every_n_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     every_n_epochs: int | Literal["auto"] | None = attrs.field(default="auto", validator=_epochs_none_or_auto)
     use_mixed_precision: bool | Literal["auto"] = attrs.field(default="auto", validator=_true_false_or_auto)
-    use_ema: bool = attrs.field(default=False, validator=strict_bool)
+    use_ema: bool | str = attrs.field(default=False, validator=_bool_or_state_key)
     metrics: Mapping[str, Metric] = attrs.field(factory=dict, validator=_check_metrics)
 
     @property
@@ -156,15 +163,45 @@ def _restore_modes(
 def validation_models(
     models: Mapping[str, torch.nn.Module], hooks: Iterable[object], config: ValidationConfig
 ) -> dict[str, torch.nn.Module]:
-    """The models to evaluate: the trained ones, or with ``use_ema`` each averaging hook's copy in its place."""
+    """The models to evaluate: the trained ones, or with ``use_ema`` each chosen averaging hook's copy in its place."""
     chosen = dict(models)
-    if config.use_ema:
-        averaging = [h for h in hooks if isinstance(h, AveragesWeights)]
-        if not averaging:
-            raise ValueError("ValidationConfig.use_ema=True but no EMA hook is registered")
-        for hook in averaging:
-            chosen[hook.model_key] = hook.get_averaged_model()
+    for hook in averages_to_validate(hooks, config):
+        chosen[hook.model_key] = hook.get_averaged_model()
     return chosen
+
+
+def averages_to_validate(hooks: Iterable[object], config: ValidationConfig) -> list[AveragesWeights]:
+    """The averaging hooks whose copies ``use_ema`` evaluates: one per model, never a guess between two.
+
+    Raises ValueError when ``use_ema`` asks for an average there is none of, or when two
+    hooks average one model and ``use_ema`` does not name one by its ``state_key``.
+    """
+    wanted = config.use_ema
+    if wanted is False:
+        return []
+    averaging = [h for h in hooks if isinstance(h, AveragesWeights)]
+    if isinstance(wanted, str):
+        named = [h for h in averaging if getattr(h, "state_key", None) == wanted]
+        if not named:
+            keys = sorted(str(getattr(h, "state_key", None)) for h in averaging)
+            raise ValueError(
+                f"ValidationConfig.use_ema={wanted!r} names no EMA hook by its state_key "
+                f"(the EMA hooks' state_keys: {', '.join(keys) or 'none: no EMA hook is registered'})"
+            )
+        return named
+    if not averaging:
+        raise ValueError("ValidationConfig.use_ema=True but no EMA hook is registered")
+    by_model: dict[str, list[AveragesWeights]] = {}
+    for hook in averaging:
+        by_model.setdefault(hook.model_key, []).append(hook)
+    for model_key, several in by_model.items():
+        if len(several) > 1:
+            labels = ", ".join(f"{type(h).__name__}(state_key={getattr(h, 'state_key', None)!r})" for h in several)
+            raise ValueError(
+                f"ValidationConfig.use_ema=True, but {len(several)} EMA hooks average model {model_key!r} "
+                f"({labels}): set use_ema to the state_key of the one to evaluate (give each a state_key)"
+            )
+    return [several[0] for several in by_model.values()]
 
 
 def validation_autocast(hooks: Iterable[object], config: ValidationConfig) -> AutocastFactory:

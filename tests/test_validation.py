@@ -71,8 +71,9 @@ def test_a_backbone_frozen_in_eval_mode_stays_frozen_across_validations() -> Non
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"use_ema": "auto"}, r"ValidationConfig.use_ema must be True or False \(got 'auto'\)"),
-        ({"use_ema": 1}, r"ValidationConfig.use_ema must be True or False \(got 1\)"),
+        ({"use_ema": "auto"}, r"ValidationConfig.use_ema must be True, False or the state_key .*\(got 'auto'\)"),
+        ({"use_ema": 1}, r"ValidationConfig.use_ema must be True, False or the state_key .*\(got 1\)"),
+        ({"use_ema": ""}, r"ValidationConfig.use_ema must be True, False or the state_key .*\(got ''\)"),
         (
             {"metrics": ["accuracy"]},
             r"ValidationConfig.metrics must be a dict of name -> callable.*\(got \['accuracy'\]\)",

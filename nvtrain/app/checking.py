@@ -23,6 +23,7 @@ import torch
 from nvtrain.app.hook_stack import build_hooks, load_plugin, run_logging_hooks, signature_parameters
 from nvtrain.config import LoadedConfig, RunConfig, resolve_import_path
 from nvtrain.hook import AveragesWeights, Hook, ProvidesAutocast
+from nvtrain.validation import ValidationConfig, averages_to_validate
 
 
 @attrs.frozen
@@ -40,7 +41,9 @@ class Plan:
     forward_fn: Callable[..., Any] | None
     metrics: dict[str, Callable[..., Any]]
     hooks: tuple[object, ...]
-    use_ema: bool
+    #: What the validation evaluates: the trained weights (False), every model's average (True), or the
+    #: average of the EMA hook with this state_key.
+    use_ema: bool | str
 
     @property
     def config(self) -> RunConfig:
@@ -108,6 +111,11 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
         raise loaded.error(
             "use_ema is true but no EMA hook is configured (add `- ema` to hooks)", ("validation", "use_ema")
         )
+    use_ema = averaging if use_ema == "auto" else use_ema
+    try:  # which average a validation evaluates: one per model, named by state_key when there are two
+        averages_to_validate(hooks, ValidationConfig(use_ema=use_ema))
+    except ValueError as err:
+        raise loaded.error(str(err).replace("ValidationConfig.use_ema", "use_ema"), ("validation", "use_ema")) from None
     if config.validation.use_mixed_precision is True and not any(isinstance(h, ProvidesAutocast) for h in hooks):
         raise loaded.error(
             "use_mixed_precision is true but no mixed-precision hook is configured "
@@ -128,7 +136,7 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
         forward_fn=forward_fn,
         metrics=metrics,
         hooks=tuple(hooks),
-        use_ema=averaging if use_ema == "auto" else bool(use_ema),
+        use_ema=use_ema,
     )
 
 

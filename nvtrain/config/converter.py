@@ -16,7 +16,7 @@ from typing import Any, Literal
 import attrs
 
 from nvtrain.config.errors import FieldError, describe
-from nvtrain.config.schema import HookConfig
+from nvtrain.config.schema import EmaChoice, HookConfig
 from nvtrain.step_scheduler import StepSchedulerConfig
 
 __all__ = ["converter"]
@@ -57,6 +57,13 @@ def _make_converter() -> Any:
         raise TypeError(f"expected one of {shown}, got {describe(value)}")
 
     converter.register_structure_hook_func(lambda t: typing.get_origin(t) is Literal, structure_literal)
+
+    def structure_ema_choice(value: Any, cls: Any) -> Any:
+        if isinstance(value, bool) or (isinstance(value, str) and value):
+            return value
+        raise TypeError(f"expected true, false, auto or the state_key of an EMA hook, got {describe(value)}")
+
+    converter.register_structure_hook_func(lambda t: t == EmaChoice, structure_ema_choice)
 
     def structure_tuple(value: Any, cls: Any) -> Any:
         if not isinstance(value, (list, tuple)):

@@ -25,6 +25,7 @@ def _type_label(annotation: Any) -> str:
     text = re.sub(r"<class '([\w.]+)'>", r"\1", text)
     text = re.sub(r"\b[\w.]+\.(\w+Config)\b", r"\1", text)
     text = re.sub(r"tuple\[(.+), \.\.\.\]", r"list[\1]", text)
+    text = text.replace("Union[Literal[True, False, 'auto'], str]", "true | false | auto | state_key")
     text = text.replace("dict[str, Any]", "mapping").replace("Literal[True, False, 'auto']", "true | false | auto")
     text = re.sub(r"Literal\[([^\]]+)\]", lambda m: " | ".join(v.strip(" '") for v in m.group(1).split(",")), text)
     text = re.sub(r"Optional\[(.+)\]", r"\1 | null", text)

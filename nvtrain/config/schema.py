@@ -24,6 +24,7 @@ __all__ = [
     "TRAINER_HELP",
     "Auto",
     "DataConfig",
+    "EmaChoice",
     "HookConfig",
     "LRSchedulerConfig",
     "LoggingConfig",
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 Auto = Literal[True, False, "auto"]
+#: ``validation.use_ema``: ``auto``, true, false, or the ``state_key`` of the EMA hook to evaluate.
+EmaChoice = Literal[True, False, "auto"] | str
 
 #: ``package.module:name`` (dotted on both sides of the colon).
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
@@ -261,8 +264,12 @@ class ValidationSection:
     every_n_steps: int | None = attrs.field(
         default=None, validator=_positive_or_none, metadata=_doc("Also validate every N optimizer steps.")
     )
-    use_ema: Auto = attrs.field(
-        default="auto", metadata=_doc("Evaluate the EMA weights (`auto`: when an EMA hook is configured).")
+    use_ema: EmaChoice = attrs.field(
+        default="auto",
+        metadata=_doc(
+            "Evaluate the EMA weights (`auto`: when an EMA hook is configured); with two EMA hooks on one model, "
+            "the `state_key` of the one to evaluate."
+        ),
     )
     use_mixed_precision: Auto = attrs.field(
         default="auto", metadata=_doc("Autocast during validation (`auto`: follow the mixed-precision hook).")
