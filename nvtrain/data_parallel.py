@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +34,7 @@ from torch.utils.data import (
 from nvtrain.data_cursor import is_torchdata_class
 from nvtrain.distributed import TorchrunEnv, default_backend
 from nvtrain.hookspecs import hookimpl
-from nvtrain.validators import FieldTypeError, refused, satisfies
+from nvtrain.validators import FieldTypeError, FieldValueError, refused, satisfies
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -52,6 +53,7 @@ __all__ = [
     "optional_process_group",
     "rebuild_loader",
     "refuse_other_data_parallel",
+    "refuse_unsynchronized_models",
     "resolve_process_group",
     "samplers_of",
     "set_sampler_epoch",
@@ -128,6 +130,44 @@ def refuse_other_data_parallel(ctx: TrainingContext, owner: object) -> None:
             "Keep one: FSDPHook shards parameters, gradients and optimizer state over the ranks; DDPHook "
             "keeps a full replica on every rank"
         )
+
+
+def refuse_unsynchronized_models(ctx: TrainingContext, owner: str, keys: Sequence[str] | None) -> None:
+    """Raise when ``owner.model_keys`` leaves out a model that an optimizer trains.
+
+    Its gradients would not be averaged over the ranks, so each rank would train a copy
+    of its own, silently drifting apart (and rank 0's copy is what a checkpoint keeps).
+    Checked in one process too, so the script fails before it reaches torchrun.
+    """
+    strategy = ctx.strategy
+    if keys is None or strategy is None or any(key not in ctx.models for key in keys):
+        return  # an unknown name is the hook's own error to report
+    left_out = [
+        key
+        for key in strategy.optimizers
+        if key not in keys
+        and key in ctx.models
+        and not _wrapped_for_data_parallel(ctx.models[key])
+        and any(p.requires_grad for p in ctx.models[key].parameters())
+    ]
+    if left_out:
+        raise FieldValueError(
+            f"{owner}.model_keys={tuple(keys)!r} leaves out {left_out}, which an optimizer trains: on several "
+            "ranks its gradients would not be averaged, so every rank would train a copy of its own. Add it to "
+            "model_keys, or leave model_keys unset to wrap every model that has an optimizer",
+            owner=owner,
+            field="model_keys",
+            value=tuple(keys),
+            expected=f"every model with an optimizer ({sorted(strategy.optimizers)})",
+        )
+
+
+def _wrapped_for_data_parallel(model: torch.nn.Module) -> bool:
+    """Already replicated or sharded by the caller (DDP, FSDP, DTensor parameters): synchronised on its own."""
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return True
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 # -- settings ------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from nvtrain.data_parallel import (
     check_sampler_kwargs,
     optional_process_group,
     refuse_other_data_parallel,
+    refuse_unsynchronized_models,
     resolve_process_group,
 )
 from nvtrain.distributed import TorchrunEnv
@@ -145,6 +146,7 @@ class DDPHook(ShardsTrainLoader):
         """Resolve the process group, wrap the models, inject the sampler."""
         self._ctx = ctx
         refuse_other_data_parallel(ctx, self)
+        refuse_unsynchronized_models(ctx, "DDPHook", self.model_keys)
         if ctx.strategy is not None:
             accumulation = accumulating_hook(ctx.strategy.registry.update_hooks(), strict=False)
             if accumulation is not None:

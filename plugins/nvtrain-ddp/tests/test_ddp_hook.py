@@ -267,10 +267,29 @@ def test_model_keys_choose_what_is_wrapped() -> None:
         strategy.train_batch(next(iter(make_loader())))
         assert isinstance(strategy.ctx.models["main"], DistributedDataParallel)
         assert strategy.ctx.models["teacher"] is models["teacher"]
-    with make_strategy(DDPHook(model_keys="teacher"), models, optimizers={"main": sgd}) as strategy:
+    with make_strategy(DDPHook(model_keys=("main", "teacher")), models, optimizers={"main": sgd}) as strategy:
         strategy.train_batch(next(iter(make_loader())))
-        assert strategy.ctx.models["main"] is models["main"]
+        assert isinstance(strategy.ctx.models["main"], DistributedDataParallel)
         assert isinstance(strategy.ctx.models["teacher"], DistributedDataParallel)
+
+
+@pytest.mark.parametrize("hook_class", ["ddp", "fsdp"])
+@pytest.mark.parametrize("world", ["world_of_one", "one_process"])
+def test_model_keys_leaving_out_a_trained_model_are_refused(
+    hook_class: str, world: str, request: pytest.FixtureRequest
+) -> None:
+    """Each rank would train its own copy of the model left out: refused, also where nothing is wrapped."""
+    if world == "world_of_one":
+        request.getfixturevalue("world_of_one")
+    models = {"main": make_model(), "teacher": make_model()}
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    hook = nvtrain.plugins.load(hook_class, model_keys="teacher")
+    message = rf"{type(hook).__name__}\.model_keys=\('teacher',\) leaves out \['main'\], which an optimizer trains"
+    with make_strategy(hook, models, optimizers={"main": sgd}) as strategy, pytest.raises(ValueError, match=message):
+        strategy.train_batch(next(iter(make_loader())))
+    teacher_left_out = nvtrain.plugins.load(hook_class, model_keys="main")  # no optimizer trains the teacher
+    with make_strategy(teacher_left_out, dict(models), optimizers={"main": sgd}) as ok:
+        ok.train_batch(next(iter(make_loader())))
 
 
 @pytest.mark.usefixtures("world_of_one")

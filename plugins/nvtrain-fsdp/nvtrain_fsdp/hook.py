@@ -26,6 +26,7 @@ from nvtrain.data_parallel import (
     check_sampler_kwargs,
     optional_process_group,
     refuse_other_data_parallel,
+    refuse_unsynchronized_models,
     resolve_process_group,
 )
 from nvtrain.strategy import on_meta_device
@@ -246,6 +247,7 @@ class FSDPHook(ShardsTrainLoader):
         """Refuse what does not combine, resolve the group, shard the models, inject the sampler."""
         self._ctx = ctx
         refuse_other_data_parallel(ctx, self)
+        refuse_unsynchronized_models(ctx, "FSDPHook", self.model_keys)
         self._refuse_autocast(ctx)
         manager = getattr(ctx.strategy, "distributed_manager", None)
         group, self._owns_group = resolve_process_group(
