@@ -6,7 +6,10 @@ optimizer steps they read the window's mean loss and the scalar tensors in
 ``ctx.metrics`` to the host in one transfer, and only then take the wall clock,
 so on CUDA the step time covers finished work (the read is the sync). Step time
 and samples/s are measured over the steps since the previous logging step;
-validation time is left out. Each hook is active on rank 0 only.
+validation time is left out (the clock pauses from the end of the step a
+validation follows to the validation's end). A ``ctx.metrics`` entry named like a
+logged column (``train_loss``, ``lr``, ``val_...``: :data:`~nvtrain.step_log.RESERVED_METRIC_NAMES`)
+is refused at the logging step that sees it. Each hook is active on rank 0 only.
 
 They are ordinary plugins, usable from Python::
 
@@ -105,7 +108,8 @@ class ProgressBarHook:
     writes one line per logging step and one per validation instead. The shown
     loss is ``train_loss_avg``: the mean over the last ``loss_average_window_steps``
     steps of the step scheduler (in whole logging windows). The steps after the
-    last logging step are shown when the run ends, also by an exception.
+    last logging step are shown when the run ends, also by an exception; a window
+    without a completed step (a diverged run's skipped steps) shows its mean loss.
     """
 
     plugin_name: ClassVar[str] = "progress_bar"
@@ -134,7 +138,7 @@ class ProgressBarHook:
     _postfix: dict[str, str] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
-        self._reader = StepLogReader(self.log_every_n_steps)
+        self._reader = StepLogReader(self.log_every_n_steps, owner=type(self).__name__)
 
     @hookimpl
     def before_training(self, ctx: TrainingContext) -> None:
@@ -200,7 +204,7 @@ class ProgressBarHook:
 
     def _show(self, record: dict[str, float], *, refresh: bool) -> None:
         """A training record: the bar's loss and samples/s, or a log line."""
-        smoothed = record.get("train_loss_avg")
+        smoothed = record.get("train_loss_avg", record.get("train_loss"))  # no step in the window: its mean
         if self._bar is not None:
             if smoothed is not None:
                 self._postfix["loss"] = f"{smoothed:.4g}"
@@ -212,9 +216,11 @@ class ProgressBarHook:
 
     @hookimpl
     def after_validation(self, ctx: TrainingContext) -> None:
-        if not self._active:
+        """Show the validation; one outside ``run()`` only after a run (a line: the run's bar is closed)."""
+        if not self._active:  # off rank 0, or before any run
             return
-        self._begin(ctx)
+        if self._running:
+            self._begin(ctx)
         record = self._reader.read_validation(ctx)
         if self._out is None:
             return
@@ -334,21 +340,28 @@ class _StepRecordLogger:
     """The observer side shared by the file loggers: rank 0 writes a record per logging step and validation.
 
     A subclass is an attrs class with the fields ``_reader`` (a :class:`StepLogReader`),
-    ``_active``, ``_running``, ``_start_step`` and ``state_key``; it writes a record in
-    ``_write`` and releases its file in ``_release``. ``_start_step`` is the step count
-    at the first BEFORE_EPOCH, so after a resume it is the step the run resumed from
+    ``_active``, ``_running``, ``_start_step``, ``_trim`` and ``state_key``; it writes a
+    record in ``_write`` and releases its file in ``_release``. ``_start_step`` is the step
+    count at the first BEFORE_EPOCH, so after a resume it is the step the run resumed from
     (0 for a fresh run). The steps after the last logging step are written when the
     run ends (AFTER_TRAINING, or ``close()`` after an exception). The smoothing state
     is the hook's checkpoint state (``state_dict``).
+
+    A ``validate()`` outside ``run()`` is written after a run only (before any run there
+    is no file of this strategy to add to): appended to what the file holds, never trimming it.
     """
 
-    __slots__ = ("_active", "_reader", "_running", "_start_step")
+    __slots__ = ("_active", "_reader", "_running", "_start_step", "_trim")
 
     _reader: StepLogReader
+    #: Rank 0 once a run started (False before any run): whether validations are written.
     _active: bool
     #: Between BEFORE_TRAINING and AFTER_TRAINING: a close() now is a run ended by an exception.
     _running: bool
     _start_step: int | None
+    #: From BEFORE_TRAINING until the run opens its file: that open drops what an earlier run wrote after
+    #: the start step (all of it for a fresh run). An open outside a run appends.
+    _trim: bool
     state_key: str | None
 
     @hookimpl
@@ -356,7 +369,7 @@ class _StepRecordLogger:
         if self._running:  # the last run ended by an exception and nobody closed the strategy
             self.close()  # writes its unlogged steps; its open window is not continued
         self._active = ctx.rank == 0
-        self._running = True
+        self._running, self._trim = True, True
         self._start_step = None
         self._reader.start(ctx)
 
@@ -380,9 +393,11 @@ class _StepRecordLogger:
 
     @hookimpl
     def after_validation(self, ctx: TrainingContext) -> None:
-        if self._active:
+        if not self._active:  # off rank 0, or before any run
+            return
+        if self._running:
             self._begin(ctx)
-            self._write(self._reader.read_validation(ctx))
+        self._write(self._reader.read_validation(ctx))
 
     @hookimpl
     def after_training(self, ctx: TrainingContext) -> None:
@@ -404,6 +419,7 @@ class _StepRecordLogger:
                 if record is not None and self._active:
                     self._write(record)
         finally:
+            self._trim = False  # the run is over: a later validate() appends
             self._release()
 
     def state_dict(self) -> dict[str, Any]:
@@ -440,6 +456,10 @@ class CSVLoggerHook(_StepRecordLogger):
     resumed run, rows after the step the run resumed from are dropped first, so
     the file describes one continuous run; with the smoothing state restored from
     the checkpoint, its ``train_loss`` and ``train_loss_avg`` are the straight run's.
+    Rows are dropped by step: a diverged run whose last real step S was a logging
+    step has two rows of step S (the second: its skipped micro-batches, NaN loss and
+    ``skipped_steps``), and a run resumed from S keeps both. A ``validate()`` after
+    the run appends its row.
     """
 
     plugin_name: ClassVar[str] = "csv_logger"
@@ -459,9 +479,10 @@ class CSVLoggerHook(_StepRecordLogger):
     _active: bool = attrs.field(init=False, default=False)
     _running: bool = attrs.field(init=False, default=False)
     _start_step: int | None = attrs.field(init=False, default=None)
+    _trim: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
-        self._reader = StepLogReader(self.log_every_n_steps)
+        self._reader = StepLogReader(self.log_every_n_steps, owner=type(self).__name__)
 
     def _write(self, record: dict[str, float]) -> None:
         with naming_file(self.path):  # a full disk is reported naming metrics.csv
@@ -478,24 +499,32 @@ class CSVLoggerHook(_StepRecordLogger):
         self._file.flush()
 
     def _open(self) -> None:
+        """Open for appending; a run's first open first drops the rows after its start step."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        rows: list[dict[str, str]] = []
         columns = list(CSV_COLUMNS)
         if self.path.exists() and self.path.stat().st_size:
             with self.path.open(newline="", encoding="utf-8") as file:
                 reader = csv.DictReader(file)
-                columns += [c for c in reader.fieldnames or () if c not in columns]
+                header = list(reader.fieldnames or ())
                 rows = list(reader)
-            start = self._start_step or 0
-            kept = [row for row in rows if _row_step(row) <= start]
-            if start == 0:
-                kept = []  # a fresh run replaces the file of an earlier one
-            self._write_file(columns, kept)
+            columns += [c for c in header if c not in columns]
+            if self._trim:
+                self._write_file(columns, self._kept_rows(rows))
+            elif columns != header:  # outside a run: append, under a header with every logged column
+                self._write_file(columns, rows)
         else:
             self._write_file(columns, [])
+        self._trim = False
         self._columns = columns
         self._file = self.path.open("a", newline="", encoding="utf-8")
         self._writer = csv.DictWriter(self._file, fieldnames=self._columns, restval="")
+
+    def _kept_rows(self, rows: list[dict[str, str]]) -> list[dict[str, str]]:
+        """The rows of earlier runs this run continues: up to its start step; none for a fresh run."""
+        start = self._start_step or 0
+        if start == 0:
+            return []  # a fresh run replaces the file of an earlier one
+        return [row for row in rows if _row_step(row) <= start]
 
     def _rewrite(self, columns: list[str]) -> None:
         assert self._file is not None
@@ -551,9 +580,11 @@ class TensorBoardHook(_StepRecordLogger):
     the step scheduler's ``log_remote_every_steps`` cadence.
 
     Tags: ``train/loss``, ``train/loss_avg``, ``train/lr``, ``perf/step_time``, ``perf/samples_per_s``,
-    ``val/<metric>`` and ``train/<name>`` for other ``ctx.metrics`` entries. A run
-    purges the events ``log_dir`` holds after the step it starts from (all of them
-    for a fresh run), as the CSV logger drops or replaces rows. Needs the
+    ``val/<metric>`` and ``train/<name>`` for other ``ctx.metrics`` entries (``loss``
+    and ``loss_avg`` are refused: their tags are taken). A run purges the events
+    ``log_dir`` holds after the step it starts from (all of them for a fresh run),
+    as the CSV logger drops or replaces rows; a ``validate()`` after the run adds
+    its events to the run's. Needs the
     ``tensorboard`` package (``pip install 'nvtrain[tensorboard]'``).
     """
 
@@ -574,36 +605,51 @@ class TensorBoardHook(_StepRecordLogger):
     _active: bool = attrs.field(init=False, default=False)
     _running: bool = attrs.field(init=False, default=False)
     _start_step: int | None = attrs.field(init=False, default=None)
+    _trim: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
         if not tensorboard_available():
             raise ImportError("TensorBoardHook needs the tensorboard package: pip install 'nvtrain[tensorboard]'")
-        self._reader = StepLogReader(self.log_every_n_steps)
+        self._reader = StepLogReader(self.log_every_n_steps, owner=type(self).__name__, also_reserved=_TAKEN_TAGS)
 
     def _write(self, record: dict[str, float]) -> None:
         writer = self._writer
         if writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # Events of an earlier run after the start step are void, like the rows of metrics.csv: a fresh
-            # run replaces the earlier event files (TensorBoard applies a purge step only to files it reads
-            # before, in name order, which two runs started within one second do not keep); a resumed run
-            # keeps the events up to its step and purges the rest.
-            start = self._start_step or 0
-            if start == 0:
-                for stale in Path(self.log_dir).glob("events.out.tfevents.*"):
-                    stale.unlink(missing_ok=True)
-            writer = self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=start + 1)
+            writer = self._writer = self._open()
         step = int(record["step"])
         for key, value in record.items():
             if key not in ("step", "epoch"):
                 writer.add_scalar(_tag(key), value, step)
         writer.flush()
 
+    def _open(self) -> Any:
+        """A writer; a run's first one first voids the events after its start step (outside a run: none)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        trim, self._trim = self._trim, False
+        if not trim:  # a validate() after the run: its events join the run's
+            return SummaryWriter(log_dir=str(self.log_dir))
+        # Events of an earlier run after the start step are void, like the rows of metrics.csv: a fresh
+        # run replaces the earlier event files (TensorBoard applies a purge step only to files it reads
+        # before, in name order, which two runs started within one second do not keep); a resumed run
+        # keeps the events up to its step and purges the rest.
+        start = self._start_step or 0
+        if start == 0:
+            for stale in Path(self.log_dir).glob("events.out.tfevents.*"):
+                stale.unlink(missing_ok=True)
+        return SummaryWriter(log_dir=str(self.log_dir), purge_step=start + 1)
+
     def _release(self) -> None:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
+
+
+#: ``ctx.metrics`` names whose tag (``train/<name>``) a TensorBoard logger writes itself.
+_TAKEN_TAGS = {
+    "loss": "the TensorBoard tag 'train/loss' of train_loss",
+    "loss_avg": "the TensorBoard tag 'train/loss_avg' of train_loss_avg",
+}
 
 
 def _tag(key: str) -> str:

@@ -28,14 +28,27 @@ Series = dict[str, tuple[list[float], list[float]]]
 def read_metrics(path: str | Path) -> Series:
     """``metrics.csv`` as ``{column: (steps, values)}``, skipping empty cells."""
     path = Path(path)
+    return _series(_read_rows(path))
+
+
+def _read_rows(path: Path) -> list[dict[str, str]]:
+    """The file's rows; a file that is no metrics CSV is a ValueError naming it (``nvtrain plot`` prints it
+    as one error line, as it does a missing file)."""
     try:
         with path.open(newline="", encoding="utf-8") as file:
             reader = csv.DictReader(file)
             if not reader.fieldnames or "step" not in reader.fieldnames:
                 raise ValueError(f"{path}: not a metrics file (no 'step' column; columns: {reader.fieldnames})")
-            rows = list(reader)
+            return list(reader)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no metrics file (was the run started with logging.csv: true?)") from None
+    except csv.Error as err:  # e.g. a field over csv's size limit
+        raise ValueError(f"{path}: not a readable CSV file, expected a metrics.csv ({err})") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text, expected a metrics.csv (byte {err.start}: {err.reason})") from None
+
+
+def _series(rows: list[dict[str, str]]) -> Series:
     series: Series = {}
     for row in rows:
         step = _number(row.get("step"))

@@ -6,7 +6,9 @@ from __future__ import annotations
 import csv
 import functools
 import io
+import math
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,11 @@ import torch
 import nvtrain
 from nvtrain.app import EXIT_DIVERGED
 from nvtrain.cli import main
+from nvtrain.errors import TrainingDivergedError
+from nvtrain.hooks import SpikeSkipHook
 from nvtrain.hooks.early_stopping import EarlyStoppingHook
 from nvtrain.logging_hooks import CSVLoggerHook, ProgressBarHook, TensorBoardHook, tensorboard_available
+from nvtrain.step_scheduler import StepSchedulerConfig
 from nvtrain.validation import ValidationConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -217,3 +222,103 @@ def test_a_diverged_run_keeps_its_last_steps_and_gets_its_curves(
     assert [row["step"] for row in rows] == ["10", "14"] and rows[1]["train_loss"] == "nan"
     assert float(rows[1]["lr"]) > 0
     assert (run_dir / "curves.png").stat().st_size > 0
+
+
+# -- a diverged run whose last real step was a logging step ---------------------------------------
+
+
+def nan_after(count: int) -> Any:
+    calls = [0]
+
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        loss = torch.nn.functional.cross_entropy(outputs, targets)
+        return loss * float("nan") if calls[0] > count else loss
+
+    return loss_fn
+
+
+@pytest.mark.parametrize(("good", "logged"), [(8, ["4", "8", "8"]), (6, ["4", "6"])])
+def test_a_diverged_run_logs_its_skipped_steps_also_after_a_logging_step(
+    tmp_path: Path, good: int, logged: list[str]
+) -> None:
+    # Steps 1..good are real; the next three micro-batches are NaN and skipped, and the run raises.
+    _, _, stream, hooks = loggers(tmp_path, every=4)
+    torch.manual_seed(0)
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(3, 2),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=nan_after(good),
+        hooks=[SpikeSkipHook(), *hooks],
+        device="cpu",
+        step_scheduler=StepSchedulerConfig(max_consecutive_skipped_steps=3, num_epochs=1),
+    )
+    with pytest.raises(TrainingDivergedError), strategy:
+        strategy.run(batches(20))
+    rows = training_rows(tmp_path / "metrics.csv")
+    assert [row["step"] for row in rows] == logged  # the divergence is at the last real step's number
+    assert rows[-1]["train_loss"] == "nan" and rows[-1]["skipped_steps"] == "3" and rows[-1]["epoch"] == "1"
+    assert rows[-2]["train_loss"] != "nan"
+    assert progress_steps(stream) == [f"step {step}/20" for step in logged]
+    if tensorboard_available():
+        assert tensorboard_steps(tmp_path / "tb") == [int(step) for step in logged]
+
+
+def test_a_resume_from_the_diverged_step_keeps_both_of_its_rows(tmp_path: Path) -> None:
+    """Rows are dropped by step: a run resumed from step 8 keeps what step 8 logged, its divergence too."""
+    path = tmp_path / "metrics.csv"
+
+    def log(start: int, losses: list[tuple[int, float]]) -> None:
+        hook = CSVLoggerHook(path, log_every_n_steps=4)
+        ctx = nvtrain.TrainingContext(step_count=start)
+        hook.before_training(ctx)
+        hook.before_epoch(ctx)
+        for step, loss in losses:
+            ctx.step_skipped = step == ctx.step_count
+            ctx.loss, ctx.batch, ctx.step_count = torch.tensor(loss), batches(1)[0], step
+            hook.after_batch(ctx)
+        hook.close()  # the run ended by an exception
+
+    log(0, [(step, 1.0) for step in range(1, 9)] + [(8, math.nan)] * 3)  # diverged after step 8
+    log(8, [(9, 0.5), (10, 0.5), (11, 0.5), (12, 0.5)])  # resumed from the checkpoint of step 8
+    rows = training_rows(path)
+    assert [(row["step"], row["train_loss"]) for row in rows] == [
+        ("4", "1"), ("8", "1"), ("8", "nan"), ("12", "0.5")
+    ]  # fmt: skip
+
+
+# -- the row of a run stopped at a validation: its step time ---------------------------------------
+
+
+class Sleep:
+    """Sleeps ``seconds`` at BEFORE_BATCH of step ``step`` (training time), and at every AFTER_VALIDATION
+    ``validation`` seconds (validation time, which step_time leaves out)."""
+
+    def __init__(self, step: int, seconds: float, validation: float) -> None:
+        self.step, self.seconds, self.validation = step, seconds, validation
+
+    @nvtrain.hookimpl
+    def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.step_count + 1 == self.step:
+            time.sleep(self.seconds)
+
+    @nvtrain.hookimpl
+    def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
+        time.sleep(self.validation)
+
+
+def test_step_time_covers_the_windows_steps_across_a_validation_and_the_row_of_a_stop(tmp_path: Path) -> None:
+    _, _, _, hooks = loggers(tmp_path, every=4)
+    slow = Sleep(step=1, seconds=0.2, validation=1.0)
+    with make([slow, StopAfterValidation(6), *hooks], max_steps=20, every_n_steps=2) as strategy:
+        strategy.run(batches(20))
+    rows = training_rows(tmp_path / "metrics.csv")
+    assert [row["step"] for row in rows] == ["4", "6"]
+    first, stop = (
+        (float(row["step_time"]), float(row["samples_per_s"])) for row in rows
+    )  # every training row is timed, the stop's too
+    # Step 4's window holds steps 1-4 (the slow step 1 before step 2's validation too), not its validation.
+    assert 0.2 / 4 <= first[0] < (0.2 + 1.0) / 4
+    assert stop[0] < 1.0 / 2  # steps 5 and 6, without the validations of steps 4 and 6
+    for step_time, samples_per_s in (first, stop):
+        assert step_time * samples_per_s == pytest.approx(4, rel=1e-3)  # 4 samples per step

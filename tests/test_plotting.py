@@ -89,3 +89,24 @@ def test_plot_command_without_metrics(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["plot", str(tmp_path / "missing-run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("nvtrain plot: error: ") and err.count("\n") == 1 and "no metrics file" in err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'step,epoch,train_loss\n1,1,"' + b"x" * 200_000 + b'"\n', "not a readable CSV file"),
+        (b"\xff\xfe\x00s", "not UTF-8 text"),
+    ],
+    ids=["field-over-the-csv-limit", "not-utf8"],
+)
+def test_a_malformed_file_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, message: str
+) -> None:
+    path = tmp_path / "metrics.csv"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message) as info:
+        read_metrics(path)
+    assert str(path) in str(info.value)
+    assert main(["plot", str(tmp_path)]) == 2  # an error line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith(f"nvtrain plot: error: {path}: ") and err.count("\n") == 1

@@ -4,7 +4,7 @@
     nvtrain plot runs/digits -o digits.png
 
 RUN_DIR is a run directory (holding metrics.csv) or the path of a metrics CSV file.
-Exit status: 0 written; 2 no metrics file or nothing to plot.
+Exit status: 0 written; 2 no metrics file, one that is not a metrics CSV, or nothing to plot.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import attrs
 import torch
 
 from nvtrain.hookspecs import hookimpl
-from nvtrain.validators import float_in_range, int_at_least, one_of, satisfies
+from nvtrain.validators import float_in_range, int_at_least, one_of, optional_non_empty_str, satisfies
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -46,6 +46,8 @@ class EarlyStoppingHook:
 
     The best value and the count of validations without improvement are in
     ``state_dict()``, so a resumed run keeps counting where the saved one was.
+    Two hooks (say one watching the loss, one the accuracy) need a ``state_key``
+    on at least one of them, so that a checkpoint keeps their states apart.
     A standalone ``strategy.validate()`` outside ``run()`` is counted too, but
     there is no run to stop then.
 
@@ -63,6 +65,9 @@ class EarlyStoppingHook:
     patience: int = attrs.field(default=3, validator=int_at_least(0))
     #: The smallest change that counts as an improvement (>= 0, finite).
     min_delta: float = attrs.field(default=0.0, validator=float_in_range(0.0, math.inf, include_low=True))
+    #: Tells two early-stopping hooks apart in a checkpoint (key ``early_stopping:<state_key>``); None
+    #: keeps the key ``early_stopping`` of a single hook, so checkpoints written before this field load.
+    state_key: str | None = attrs.field(default=None, validator=optional_non_empty_str())
 
     #: The best value seen so far (None before the first finite one).
     best: float | None = attrs.field(init=False, default=None)

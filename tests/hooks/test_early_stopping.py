@@ -269,3 +269,42 @@ def test_state_survives_a_checkpoint_and_resume(tmp_path: Path) -> None:
     assert result.stop_reason is not None and "early stopping" in result.stop_reason
     assert result.step_count == 3 * STEPS_PER_EPOCH  # a fresh hook would stop at epoch 5
     assert resumed.best == first.best and resumed.wait == 2
+
+
+def test_two_hooks_with_their_own_state_keys_survive_a_checkpoint_and_resume(tmp_path: Path) -> None:
+    nvtrain_checkpoint = pytest.importorskip("nvtrain_checkpoint")
+    CheckpointHook, read_checkpoint = nvtrain_checkpoint.CheckpointHook, nvtrain_checkpoint.read_checkpoint
+
+    def watchers() -> list[EarlyStoppingHook]:
+        return [
+            EarlyStoppingHook(monitor="loss", patience=5),
+            EarlyStoppingHook(monitor="accuracy", mode="max", patience=5, state_key="accuracy"),
+        ]
+
+    first = watchers()
+    with make_strategy([*first, CheckpointHook(tmp_path, epoch_interval=1)], num_epochs=2) as strategy:
+        strategy.run(make_batches(STEPS_PER_EPOCH, seed=1))
+    saved = read_checkpoint(tmp_path)["hooks"]
+    # the loss watcher keeps the key of a single hook, so checkpoints written before state_key still load
+    assert saved["early_stopping"] == first[0].state_dict() and saved["early_stopping"]["monitor"] == "loss"
+    assert saved["early_stopping:accuracy"] == first[1].state_dict()
+    assert saved["early_stopping:accuracy"]["monitor"] == "accuracy"
+
+    resumed = watchers()
+    hooks = [*resumed, CheckpointHook(tmp_path, epoch_interval=1, resume="auto")]
+    with make_strategy(hooks, num_epochs=2) as strategy:
+        strategy.run(make_batches(STEPS_PER_EPOCH, seed=1))  # resumed at its end: nothing to train
+    assert [(hook.best, hook.wait) for hook in resumed] == [(hook.best, hook.wait) for hook in first]
+
+
+def test_two_hooks_without_state_keys_are_refused_naming_the_setting() -> None:
+    from nvtrain.state import checkpointable_hooks
+
+    with pytest.raises(ValueError, match="give each a distinct `state_key`"):
+        checkpointable_hooks([EarlyStoppingHook(), EarlyStoppingHook(monitor="accuracy", mode="max")])
+
+
+@pytest.mark.parametrize("key", ["", 3])
+def test_a_state_key_must_be_a_non_empty_string(key: object) -> None:
+    with pytest.raises(ValueError, match=r"EarlyStoppingHook.state_key must be a non-empty string"):
+        EarlyStoppingHook(state_key=key)  # type: ignore[arg-type]
