@@ -14,6 +14,7 @@ in :class:`LRSchedule` says when to step the scheduler:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ import torch
 
 from nvtrain.validators import a_callable, one_of, satisfies
 
-__all__ = ["LRSchedule", "ScheduledLR", "plan_schedules"]
+__all__ = ["LRSchedule", "ScheduledLR", "plan_schedules", "steps_with_a_metric"]
 
 Interval = Literal["step", "epoch"]
 
@@ -72,5 +73,24 @@ def plan_schedules(schedules: Mapping[str, LRSchedule], built: Mapping[str, Any]
                 f"({type(scheduler).__name__}, monitor {metric!r}) steps after each validation; "
                 "interval='epoch' does not apply (validate every epoch to step it once per epoch)"
             )
+        if metric is not None and not steps_with_a_metric(type(scheduler)):
+            raise ValueError(
+                f"TrainingStrategy.lr_schedulers[{name!r}]: LRSchedule(monitor={metric!r}) makes the scheduler "
+                f"step after each validation with that value, but {type(scheduler).__name__}.step() takes no "
+                "metric (its argument is an epoch number, so the value would set the rate); leave monitor out "
+                "and step it per 'step' or 'epoch', or use a scheduler whose step(metrics) takes the value, "
+                "such as ReduceLROnPlateau"
+            )
         plans.append(ScheduledLR(name=name, scheduler=scheduler, interval=schedule.interval, metric=metric))
     return tuple(plans)
+
+
+def steps_with_a_metric(scheduler_class: Any) -> bool:
+    """Whether ``scheduler_class.step`` takes a validation value (``ReduceLROnPlateau.step(metrics)``), not
+    torch's deprecated ``step(epoch)`` nor nothing at all."""
+    try:
+        parameters = list(inspect.signature(scheduler_class.step).parameters.values())[1:]  # after self
+    except (AttributeError, TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    return bool(positional) and positional[0].name != "epoch"

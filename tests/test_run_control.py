@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import math
 import os
 import signal
 import time
@@ -239,6 +240,49 @@ def test_a_metric_schedule_with_an_epoch_interval_is_refused() -> None:
     schedule = LRSchedule(torch.optim.lr_scheduler.ReduceLROnPlateau, interval="epoch")
     with pytest.raises(ValueError, match="interval='epoch' does not apply"):
         make_strategy([], num_epochs=1, lr_schedulers=schedule).run(data(2))
+
+
+def test_monitor_on_a_scheduler_whose_step_takes_no_metric_is_refused() -> None:
+    """ExponentialLR.step(epoch): the validation loss passed there would set the rate from the loss."""
+    schedule = LRSchedule(functools.partial(torch.optim.lr_scheduler.ExponentialLR, gamma=0.5), monitor="loss")
+    validation = nvtrain.ValidationConfig(data=data(2, seed=1))
+    with pytest.raises(ValueError, match=r"ExponentialLR\.step\(\) takes no metric"):
+        make_strategy([], num_epochs=1, lr_schedulers=schedule, validation=validation).run(data(2))
+
+
+class StepsWithTheLoss(torch.optim.lr_scheduler.LRScheduler):
+    """A scheduler of one's own whose ``step(metrics)`` takes the validation value: halves the rate when it rises."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.best = math.inf
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def step(self, metrics: float | None = None) -> None:  # type: ignore[override]
+        if metrics is None:
+            super().step()
+            return
+        if metrics > self.best:
+            for group in self.optimizer.param_groups:
+                group["lr"] /= 2
+        self.best = min(self.best, metrics)
+
+
+def test_monitor_on_a_scheduler_whose_step_takes_a_metric_steps_it_with_the_value() -> None:
+    seen: list[float] = []
+
+    class Recording(StepsWithTheLoss):
+        def step(self, metrics: float | None = None) -> None:  # type: ignore[override]
+            if metrics is not None:
+                seen.append(metrics)
+            super().step(metrics)
+
+    validation = nvtrain.ValidationConfig(data=data(2, seed=1))
+    strategy = make_strategy([], num_epochs=2, lr_schedulers=LRSchedule(Recording, monitor="loss"), validation=validation)
+    result = strategy.run(data(2))
+    assert len(seen) == 2 and seen[-1] == pytest.approx(float(result.validation["loss"]))  # type: ignore[index]
 
 
 # -- the seed's StepScheduler loop ----------------------------------------------------------------

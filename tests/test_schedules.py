@@ -252,6 +252,8 @@ def test_config_plateau_steps_after_each_validation_only(tmp_path: Path) -> None
          "validation value 'loss': it cannot follow a warmup"),
         ("{factory: plateau, interval: epoch}", "interval", "interval 'epoch' does not apply"),
         ("{factory: cosine, monitor: loss, warmup_steps: 2}", "warmup_steps", "cannot follow a warmup"),
+        ("{factory: exponential, monitor: loss, kwargs: {gamma: 0.5}}", "monitor",
+         "monitor 'loss' makes exponential step after each validation with that value, but its step() takes no"),
         ("{factory: onecycle, warmup_steps: 3, kwargs: {max_lr: 1.0}}", "warmup_steps",
          "onecycle ramps the LR up itself (from max_lr / div_factor over pct_start of its steps)"),
         ("{factory: cosine, interval: month}", "interval", "expected one of 'step', 'epoch', got str 'month'"),

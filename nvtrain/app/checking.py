@@ -23,6 +23,7 @@ import torch
 from nvtrain.app.hook_stack import build_hooks, load_plugin, run_logging_hooks, signature_parameters
 from nvtrain.config import LoadedConfig, RunConfig, resolve_import_path
 from nvtrain.hook import AveragesWeights, Hook, ProvidesAutocast
+from nvtrain.lr_schedule import steps_with_a_metric
 from nvtrain.validation import ValidationConfig, averages_to_validate
 
 
@@ -166,6 +167,13 @@ def _check_schedule(loaded: LoadedConfig, scheduler_cls: Any) -> None:
         raise loaded.error(
             f"{what}: interval 'epoch' does not apply (leave it out; validate every epoch to step it once per epoch)",
             ("lr_scheduler", "interval"),
+        )
+    if isinstance(scheduler_cls, type) and not steps_with_a_metric(scheduler_cls):
+        raise loaded.error(
+            f"monitor {section.monitor!r} makes {section.factory} step after each validation with that value, but "
+            f"its step() takes no metric (its argument is an epoch number, so the value would set the rate): "
+            "leave monitor out and step it per interval ('step' or 'epoch'), or use plateau",
+            ("lr_scheduler", "monitor"),
         )
 
 

@@ -222,7 +222,7 @@ class LRSchedulerConfig:
         validator=_metric_name,
         metadata=_doc(
             "Step after each validation with this validation value, e.g. `loss` (null: `loss` for `plateau`, "
-            "else not metric-driven)."
+            "else not metric-driven); only for schedulers whose `step(metrics)` takes it."
         ),
     )
 
