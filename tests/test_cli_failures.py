@@ -279,7 +279,7 @@ def test_preemption_without_a_checkpoint_hook_warns_and_exits_76(
     assert "checkpoint saved" not in out
     assert "| step 4 |" in out and "preempted: nothing was saved (no checkpoint hook)" in out
     assert f"(exit status {EXIT_PREEMPTED_UNSAVED})" in out
-    assert "will stop the run but nothing will be saved: add the checkpoint hook" in caplog.text
+    assert "will stop the run but nothing will be saved: add the checkpoint hook with resume: auto" in caplog.text
 
 
 def test_preemption_with_a_checkpoint_names_it_and_exits_75(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -291,6 +291,21 @@ def test_preemption_with_a_checkpoint_names_it_and_exits_75(job: Path, capsys: p
     saved = job.parent / "out" / "job" / "checkpoints" / "step_4"  # sent after step 3, agreed at step 4
     assert f"preempted: checkpoint saved at step 4 ({saved}), rerun to resume" in capsys.readouterr().out
     assert (saved / "manifest.json").is_file()
+
+
+def test_preemption_with_a_checkpoint_hook_that_does_not_resume_says_how_to(
+    job: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """resume: never (the hook's default) saves, but a rerun of the config would start again from step 0."""
+    caplog.set_level(logging.INFO)
+    overrides = sets(
+        "trainer.max_steps=1000", "hooks=[{name: 'failure_helpers:SendSignal', at: 3}, {name: checkpoint}]"
+    )
+    assert main(["train", str(job), *overrides]) == EXIT_PREEMPTED
+    out = capsys.readouterr().out
+    assert "checkpoint saved at step 4" in out and "set resume: auto on the checkpoint hook to resume" in out
+    assert "rerun to resume" not in out
+    assert "has resume: never, so rerunning this config would start again from step 0" in caplog.text
 
 
 def test_ctrl_c_preempts_and_a_second_one_aborts(job: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -113,11 +113,19 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
 def _announce(plan: Plan, built: Built) -> None:
     """Rank 0's messages before the first step: a preemption that would save nothing, resume changes."""
     signals = plan.config.trainer.preemption_signal
-    if signals and not any(isinstance(h, SavesCheckpoints) for h in plan.hooks):
-        names = ", ".join(str(s) for s in (signals if isinstance(signals, tuple) else (signals,)))
+    savers = [h for h in plan.hooks if isinstance(h, SavesCheckpoints)]
+    names = ", ".join(str(s) for s in (signals if isinstance(signals, tuple) else (signals,)))
+    if signals and not savers:
         logger.warning(
             "a preemption signal (%s) will stop the run but nothing will be saved: add the checkpoint hook "
-            "(hooks: [checkpoint]) to resume after one",
+            "with resume: auto (hooks: [{name: checkpoint, resume: auto}]) to resume after one",
+            names,
+        )
+    elif signals and not _resumes(savers):
+        logger.warning(
+            "a preemption signal (%s) will stop the run after a checkpoint, but the checkpoint hook has "
+            "resume: never, so rerunning this config would start again from step 0: set resume: auto on it "
+            "to continue from the checkpoint",
             names,
         )
     if built.resume_from is not None and built.changes:
@@ -129,6 +137,11 @@ def _announce(plan: Plan, built: Built) -> None:
 def _with_model_changes(message: str, built: Built) -> str:
     model = [c.describe() for c in built.changes if c.key.startswith("model.")]
     return message + (f" (model config changed since the checkpoint: {'; '.join(model)})" if model else "")
+
+
+def _resumes(hooks: Sequence[object]) -> bool:
+    """Whether rerunning the config continues from a checkpoint: a checkpoint hook whose ``resume`` is not never."""
+    return any(getattr(h, "resume", "never") not in ("never", None) for h in hooks if isinstance(h, SavesCheckpoints))
 
 
 def _saved_checkpoint(hooks: Sequence[object]) -> tuple[int, Path] | None:
@@ -194,9 +207,9 @@ def _finish(
     summary += values
     if result.preempted:
         if saved is not None:
+            rerun = "rerun to resume" if _resumes(plan.hooks) else "set resume: auto on the checkpoint hook to resume"
             summary.append(
-                f"preempted: checkpoint saved at step {saved[0]} ({saved[1]}), rerun to resume "
-                f"(exit status {EXIT_PREEMPTED})"
+                f"preempted: checkpoint saved at step {saved[0]} ({saved[1]}), {rerun} (exit status {EXIT_PREEMPTED})"
             )
         else:
             summary.append(
