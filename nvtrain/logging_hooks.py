@@ -21,16 +21,15 @@ from __future__ import annotations
 import csv
 import logging
 import math
-import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 import attrs
 
+from nvtrain.atomic_files import replaced_atomically
 from nvtrain.errors import naming_file
 from nvtrain.hookspecs import hookimpl
 from nvtrain.step_log import StepLogReader
@@ -538,16 +537,10 @@ class CSVLoggerHook(_StepRecordLogger):
 
     def _write_file(self, columns: list[str], rows: list[dict[str, str]]) -> None:
         """Write header and rows to a temporary file, then publish it under ``path`` atomically."""
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w", newline="", encoding="utf-8") as file:
-                writer = csv.DictWriter(file, fieldnames=columns, restval="")
-                writer.writeheader()
-                writer.writerows(rows)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with replaced_atomically(self.path) as tmp, tmp.open("w", newline="", encoding="utf-8") as file:
+            writer = csv.DictWriter(file, fieldnames=columns, restval="")
+            writer.writeheader()
+            writer.writerows(rows)
 
     def _release(self) -> None:
         file, self._file, self._writer = self._file, None, None

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import csv
 import math
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from nvtrain.atomic_files import replaced_atomically
 from nvtrain.errors import naming_file
 
 __all__ = ["PLOT_NAME", "plot_metrics", "read_metrics"]
@@ -111,15 +110,8 @@ def plot_metrics(csv_path: str | Path, output: str | Path | None = None, title: 
     figure.suptitle(title or csv_path.parent.name)
     figure.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".png", dir=output.parent)
-    os.close(fd)
-    try:
-        with naming_file(output):
-            figure.savefig(tmp, format="png", dpi=100)
-            os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with naming_file(output), replaced_atomically(output, suffix=".png") as tmp:
+        figure.savefig(tmp, format="png", dpi=100)
     return output
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nvtrain.atomic_files import replaced_atomically
 from nvtrain.errors import naming_file
 from nvtrain.hookspecs import hookimpl
 
@@ -91,11 +90,5 @@ def _dump(data: Mapping[str, Any]) -> str:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with naming_file(path), os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with naming_file(path), replaced_atomically(path) as tmp, tmp.open("w", encoding="utf-8") as file:
+        file.write(text)

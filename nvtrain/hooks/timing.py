@@ -6,10 +6,8 @@ import csv
 import io
 import logging
 import math
-import os
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 import torch
 
+from nvtrain.atomic_files import replaced_atomically
 from nvtrain.hookspecs import hookimpl
 from nvtrain.stages import BATCH_STAGES, REPLACEMENT_STAGES, TrainingStage
 from nvtrain.validators import FieldProblem, int_at_least, refused, strict_bool, strict_int
@@ -312,11 +311,5 @@ def _write_csv_atomically(path: Path, rows: list[list[str]]) -> None:
     writer.writerow(CSV_COLUMNS)
     writer.writerows(rows)
     text = buffer.getvalue()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replaced_atomically(path, suffix=".tmp") as tmp, tmp.open("w", encoding="utf-8", newline="") as handle:
+        handle.write(text)
