@@ -961,9 +961,13 @@ def _stop_reason(scheduler: StepScheduler) -> str | None:
 
 
 def _local_batch_size(loader: Any) -> int:
-    """Samples per micro-batch: the loader's ``batch_size`` when it has one, else 1."""
-    size = getattr(loader, "batch_size", None)
-    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else 1
+    """Samples per micro-batch: the loader's ``batch_size``, else its ``batch_sampler``'s (a DataLoader given
+    ``batch_sampler=`` has ``batch_size`` None), else 1."""
+    for owner in (loader, getattr(loader, "batch_sampler", None)):
+        size = getattr(owner, "batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+            return size
+    return 1
 
 
 def on_meta_device(model: torch.nn.Module) -> bool:

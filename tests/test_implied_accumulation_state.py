@@ -74,3 +74,16 @@ def test_a_window_start_loads_into_any_window_size_and_a_window_middle_does_not(
     hook.load_state_dict({"steps": 2, "position": 0})
     with pytest.raises(ValueError, match=r"saved inside a window of steps=2, this hook has steps=4"):
         hook.load_state_dict({"steps": 2, "position": 1})
+
+
+def test_a_loader_given_a_batch_sampler_counts_its_batch_size() -> None:
+    """DataLoader(batch_sampler=...) has batch_size None: the batch sampler's size is the micro-batch's."""
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(64, 3, generator=generator), torch.randn(64, 2, generator=generator))
+    batches = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), batch_size=4, drop_last=False)
+    loader = DataLoader(data, batch_sampler=batches)
+    assert loader.batch_size is None
+    strategy = make_strategy([], 2)
+    with strategy:
+        result = strategy.run(loader)
+    assert result.batch_count == 8  # 16 samples a step in micro-batches of 4: 4 per step, not 16
