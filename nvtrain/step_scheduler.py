@@ -766,17 +766,7 @@ class StepScheduler:
         differ = {key: (saved.get(key), mine[key]) for key in _CONFIG_KEYS if saved.get(key) != mine[key]}
         for key in ("step", "epoch", "position"):
             _check_int("StepScheduler.load_state_dict", key, state[key], 0)
-        if differ:
-            state = self._resharded(state, saved, mine, differ)
-        order_differ = order_differences(saved, mine)
-        if order_differ and int(state["position"]):  # the same batch configuration over another permutation
-            raise ValueError(
-                f"StepScheduler.load_state_dict: the epoch's sample order differs ({order_differ}): the saved "
-                f"position (micro-batch {int(state['position'])} of epoch {int(state['epoch']) + 1}) would read "
-                "other samples of it (some twice, some never). Resume with the same data and sampler settings, "
-                "or restore without the data position"
-            )
-        # After the batch configuration, whose refusal names its own differences first. One process only:
+        # Before the batch configuration: another data set is the cause of a loader_len that differs. One process only:
         # ranks may read data sets of their own (sharded by hand), and a state holds rank 0's length; under
         # a DistributedSampler, ``global_order`` holds the length the ranks share.
         saved_samples, samples = saved.get("dataset_len"), mine["dataset_len"]
@@ -786,6 +776,16 @@ class StepScheduler:
                 f"StepScheduler.load_state_dict: the state was saved reading a data set of {saved_samples} samples, "
                 f"the dataloader's has {samples}: the saved position and sample order do not fit it. Resume with "
                 "the same data, or restore without the data position"
+            )
+        if differ:
+            state = self._resharded(state, saved, mine, differ)
+        order_differ = order_differences(saved, mine)
+        if order_differ and int(state["position"]):  # the same batch configuration over another permutation
+            raise ValueError(
+                f"StepScheduler.load_state_dict: the epoch's sample order differs ({order_differ}): the saved "
+                f"position (micro-batch {int(state['position'])} of epoch {int(state['epoch']) + 1}) would read "
+                "other samples of it (some twice, some never). Resume with the same data and sampler settings, "
+                "or restore without the data position"
             )
         loader_state = self._reader.check_loader_entry(state.get("loader"), "StepScheduler.load_state_dict")
         self.step, self.epoch, self._position = int(state["step"]), int(state["epoch"]), int(state["position"])

@@ -433,6 +433,14 @@ def test_load_state_dict_refuses_another_data_set_of_the_same_loader_length() ->
     make(_shuffled(10)).load_state_dict(state)  # the same data: accepted
 
 
+def test_another_data_set_that_changes_the_loader_length_is_named_as_the_cause() -> None:
+    """40 -> 44 samples also changes len(loader): the message names the data sets, not ranks or samplers."""
+    state = make(_shuffled(40)).state_dict()
+    with pytest.raises(ValueError, match=r"a data set of 40 samples, the dataloader's has 44") as caught:
+        make(_shuffled(44)).load_state_dict(state)
+    assert "DistributedSampler" not in str(caught.value)
+
+
 def test_a_state_saved_before_the_data_set_length_was_recorded_still_loads() -> None:
     state = make(_shuffled(10)).state_dict()
     del state["config"]["dataset_len"]
