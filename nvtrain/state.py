@@ -309,9 +309,14 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
             f"gradients, which {ctx.world_size} ranks cannot share out; resume it in one process, or capture the "
             "state after the window's last micro-batch"
         )
+    # What can be refused is refused before anything is loaded: a refused state leaves the strategy as it was.
+    _check_optimizer_classes(state.get("optimizer_classes"), ctx.optimizers)
+    for name, model in ctx.models.items():
+        _check_model_fits(name, model, state["models"][name])
+    for name, optimizer in ctx.optimizers.items():
+        _check_optimizer_fits(name, optimizer, state["optimizers"][name])
     for name, model in ctx.models.items():
         _load_model(name, model, state["models"][name])
-    _check_optimizer_classes(state.get("optimizer_classes"), ctx.optimizers)
     for name, optimizer in ctx.optimizers.items():
         _load_optimizer(name, optimizer, state["optimizers"][name], ctx.models)
     for name, sched in ctx.lr_schedulers.items():
@@ -330,6 +335,50 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
     if scheduler:
         apply_scheduler_state(strategy, state)
     apply_rng_state(_rank_rng(strategy, state), ctx.train_loader)
+
+
+def _check_model_fits(name: str, model: torch.nn.Module, saved: Any) -> None:
+    """Refuse saved weights whose names or shapes differ from the model's (what ``load_state_dict`` would
+    refuse after loading the models before it); full weights for a sharded model are checked as they load."""
+    module = unwrap_model(model)
+    if not isinstance(saved, Mapping) or full_into_sharded(module.parameters(), saved):
+        return
+    live = module.state_dict()
+    missing = [key for key in live if key not in saved]
+    unexpected = [key for key in saved if key not in live]
+    shapes = [
+        f"{key}: saved {tuple(saved[key].shape)}, model {tuple(value.shape)}"
+        for key, value in live.items()
+        if key in saved and isinstance(value, torch.Tensor) and isinstance(saved[key], torch.Tensor)
+        and saved[key].shape != value.shape
+    ]
+    problems = [
+        *([f"missing {_first_few(missing)}"] if missing else []),
+        *([f"unexpected {_first_few(unexpected)}"] if unexpected else []),
+        *([f"size mismatch for {_first_few(shapes)}"] if shapes else []),
+    ]
+    if problems:
+        raise ResumeError(f"the checkpoint's weights for model {name!r} do not fit this model: {'; '.join(problems)}")
+
+
+def _check_optimizer_fits(name: str, optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    """Refuse a saved optimizer state whose parameter groups differ in number or size (as ``load_state_dict``
+    would, after the models and the optimizers before it were loaded)."""
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(groups, list):
+        return  # malformed: load_state_dict says how
+    saved_sizes = [len(group.get("params", ())) for group in groups if isinstance(group, Mapping)]
+    live_sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if saved_sizes != live_sizes:
+        raise ResumeError(
+            f"the checkpoint's state for optimizer {name!r} does not fit it: its parameter groups hold "
+            f"{saved_sizes} parameters in the checkpoint but {live_sizes} in this optimizer"
+        )
+
+
+def _first_few(items: list[str], shown: int = 5) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def _load_model(name: str, model: torch.nn.Module, saved: Mapping[str, Any]) -> None:

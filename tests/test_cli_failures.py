@@ -210,7 +210,7 @@ def test_a_user_module_that_raises_on_import_is_one_line_exit_2(
             "no validation cadence is set",
         ),
         (
-            ["lr_scheduler={factory: step, kwargs: {step_size: 2}, monitor: loss}", "validation.every_n_steps=2",
+            ["lr_scheduler={factory: plateau, monitor: loss}", "validation.every_n_steps=2",
              "data={factory: failure_helpers:train_only}"],
             "lr_scheduler.monitor",
             "but the run never validates: failure_helpers:train_only returns no validation loader",
