@@ -204,6 +204,16 @@ def test_a_user_module_that_raises_on_import_is_one_line_exit_2(
             "StepScheduler: global_batch_size=100 is not a multiple of local_batch_size=64 * dp_size=1 (= 64)",
         ),
         (
+            ["trainer.start_epoch=2", "trainer.num_epochs=2"],
+            "trainer.start_epoch",
+            "trainer.start_epoch=2 is not before trainer.num_epochs=2: the run would train nothing",
+        ),
+        (
+            ["trainer.start_step=3", "trainer.max_steps=3"],
+            "trainer.start_step",
+            "trainer.start_step=3 is not before trainer.max_steps=3: the run would train nothing",
+        ),
+        (
             ["lr_scheduler={factory: plateau}"],
             "lr_scheduler.monitor",
             "plateau is stepped after each validation with validation value 'loss', but the run never validates: "

@@ -124,6 +124,7 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
             ("validation", "use_mixed_precision"),
         )
     _check_monitors(loaded, metrics, hooks)
+    _check_start(loaded)
     if config.device != "auto" and torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
         raise loaded.error(f"device {config.device!r} asked for CUDA, which this machine does not have", ("device",))
     return Plan(
@@ -139,6 +140,19 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
         hooks=tuple(hooks),
         use_ema=use_ema,
     )
+
+
+def _check_start(loaded: LoadedConfig) -> None:
+    """Refuse a start at or past the run's end: it would train nothing and exit 0, as if it had trained."""
+    trainer = loaded.config.trainer
+    for start, bound in (("start_epoch", "num_epochs"), ("start_step", "max_steps")):
+        first, end = getattr(trainer, start), getattr(trainer, bound)
+        if end is not None and first >= end:
+            raise loaded.error(
+                f"trainer.{start}={first} is not before trainer.{bound}={end}: the run would train nothing; "
+                f"start earlier or raise {bound} (a resumed checkpoint sets where a run starts by itself)",
+                ("trainer", start),
+            )
 
 
 def _check_schedule(loaded: LoadedConfig, scheduler_cls: Any) -> None:

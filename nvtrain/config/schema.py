@@ -242,8 +242,8 @@ TRAINER_HELP: dict[str, str] = {
     "log_remote_every_steps": "Cadence of experiment loggers (TensorBoard; `ctx.scheduler.is_remote_logging_step`).",
     "loss_average_window_steps": "Steps the smoothed loss (`train_loss_avg`, the progress bar's loss) covers.",
     "gc_every_steps": "Run `gc.collect()` every N steps, with automatic gc off during the run (null: Python's own gc).",
-    "start_step": "Step to start counting from (a resumed checkpoint overrides it).",
-    "start_epoch": "Epoch to start from (a resumed checkpoint overrides it).",
+    "start_step": "Step to start counting from (a resumed checkpoint overrides it); before `max_steps`.",
+    "start_epoch": "Epoch to start from (a resumed checkpoint overrides it); before `num_epochs`.",
     "preemption_signal": "Signal name(s) or number(s) that stop the run at the next step boundary, after a "
     "checkpoint when a checkpoint hook is configured (exit status 75; 76 without one). Ctrl-C twice aborts at once "
     "(null: none).",
