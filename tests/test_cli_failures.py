@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from nvtrain.app import (
@@ -203,6 +204,15 @@ def test_a_user_module_that_raises_on_import_is_one_line_exit_2(
             "trainer.global_batch_size",
             "StepScheduler: global_batch_size=100 is not a multiple of local_batch_size=64 * dp_size=1 (= 64)",
         ),
+        (["seed=18446744073709551616"], "seed", "RunConfig.seed must be an integer from -2**63 to 2**63 - 1"),
+        (["cpu_threads=100000000000"], "cpu_threads", "RunConfig.cpu_threads must be from 1 to 2**31 - 1, or null"),
+        (["device=meta"], "device", "device 'meta' holds no data, so nothing can train on it"),
+        pytest.param(
+            ["device=mps"],
+            "device",
+            "device 'mps' asked for MPS, which this machine does not have",
+            marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS"),
+        ),
         (
             ["trainer.start_epoch=2", "trainer.num_epochs=2"],
             "trainer.start_epoch",
@@ -264,6 +274,17 @@ def test_a_monitor_a_third_party_hook_may_add_to_the_summary_validates(
     (package / "__init__.py").write_text(THIRD_PARTY, encoding="utf-8")
     overrides = sets(f"hooks=[{{name: '{hook}'}}, {{name: early_stopping, monitor: f1, mode: max}}]")
     assert main(["validate", str(job), *overrides]) == EXIT_OK, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_run_directory_under_a_file_is_refused_at_output_dir(
+    job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    overrides = sets(f"output_dir={tmp_path / 'afile' / 'runs'}", "hooks=[]")
+    assert main([command, str(job), *overrides]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "output_dir: the run directory" in err and "lies under" in err and "which is a file" in err
 
 
 def test_an_empty_training_loader_is_named(job: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,9 +22,11 @@ import torch
 
 from nvtrain.app.hook_stack import build_hooks, load_plugin, run_logging_hooks, signature_parameters
 from nvtrain.config import LoadedConfig, RunConfig, resolve_import_path
+from nvtrain.errors import first_line
 from nvtrain.hook import AveragesWeights, Hook, ProvidesAutocast
 from nvtrain.lr_schedule import steps_with_a_metric
 from nvtrain.validation import ValidationConfig, averages_to_validate
+from nvtrain.validators import blocking_file
 
 
 @attrs.frozen
@@ -125,8 +127,11 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
         )
     _check_monitors(loaded, metrics, hooks)
     _check_start(loaded)
-    if config.device != "auto" and torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
-        raise loaded.error(f"device {config.device!r} asked for CUDA, which this machine does not have", ("device",))
+    _check_device(loaded)
+    blocking = blocking_file(config.run_dir)
+    if blocking is not None:
+        where = "is a file" if blocking == config.run_dir else f"lies under {str(blocking)!r}, which is a file"
+        raise loaded.error(f"the run directory {str(config.run_dir)!r} {where}", ("output_dir",))
     return Plan(
         loaded=loaded,
         model_factory=model_factory,
@@ -140,6 +145,35 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
         hooks=tuple(hooks),
         use_ema=use_ema,
     )
+
+
+def _check_device(loaded: LoadedConfig) -> None:
+    """Refuse a device the run cannot train on here, before anything is built on it."""
+    device = loaded.config.device
+    if device == "auto":
+        return
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise loaded.error(f"device {device!r} is not a torch device ({first_line(err)})", ("device",)) from None
+    if chosen.type == "meta":
+        raise loaded.error(
+            "device 'meta' holds no data, so nothing can train on it (to build the model there first, set "
+            "model.init_device: meta and train on cpu or cuda)",
+            ("device",),
+        )
+    available: dict[str, tuple[str, Callable[[], bool]]] = {
+        "cuda": ("CUDA", torch.cuda.is_available),
+        "mps": ("MPS", torch.backends.mps.is_available),
+    }
+    name, is_available = available.get(chosen.type, (chosen.type, lambda: True))
+    if not is_available():
+        raise loaded.error(f"device {device!r} asked for {name}, which this machine does not have", ("device",))
+    try:
+        torch.empty(0, device=chosen)
+    except Exception as err:  # another backend without its hardware, or an index past the devices there are
+        reason = first_line(err).split(". ")[0]
+        raise loaded.error(f"device {device!r} is not usable on this machine: {reason}", ("device",)) from None
 
 
 def _check_start(loaded: LoadedConfig) -> None:

@@ -73,6 +73,18 @@ def _positive_or_none(instance: Any, attribute: attrs.Attribute[Any], value: int
         raise _refused(instance, attribute, value, ">= 1 or null")
 
 
+def _seed_range(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
+    """What torch.manual_seed takes, with room for the rank added on ranks > 0."""
+    if not -(2**63) <= value < 2**63:
+        raise _refused(instance, attribute, value, "an integer from -2**63 to 2**63 - 1")
+
+
+def _thread_count(instance: Any, attribute: attrs.Attribute[Any], value: int | None) -> None:
+    """What torch.set_num_threads takes (a C int)."""
+    if value is not None and not 1 <= value < 2**31:
+        raise _refused(instance, attribute, value, "from 1 to 2**31 - 1, or null")
+
+
 def _positive(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
     if value < 1:
         raise _refused(instance, attribute, value, ">= 1")
@@ -347,6 +359,7 @@ class RunConfig:
     )
     seed: int = attrs.field(
         default=0,
+        validator=_seed_range,
         metadata=_doc(
             "Seeds torch, numpy and random: every rank with `seed` while the model and data are built (the same "
             "weights and split), then rank r > 0 with `seed + r` for training (rank 0 draws on)."
@@ -358,7 +371,7 @@ class RunConfig:
     )
     cpu_threads: int | None = attrs.field(
         default=None,
-        validator=_positive_or_none,
+        validator=_thread_count,
         metadata=_doc("`torch.set_num_threads` for the run (null: torch's default, one per core)."),
     )
     model: ModelConfig = attrs.field(metadata=_doc("The model factory (section `model`)."))
