@@ -68,6 +68,16 @@ def train_only():
     return DataLoader(data, batch_size=8), None
 
 
+def needs_a_missing_package():
+    raise ImportError("this data set needs the 'notinstalled' package: pip install notinstalled")
+
+
+def imports_a_sibling_when_called():
+    from failure_sibling import WIDTH  # a module beside the config, imported only now
+    data = TensorDataset(torch.zeros(16, WIDTH), torch.zeros(16, dtype=torch.long))
+    return DataLoader(data, batch_size=8), None
+
+
 class F1Seed(nvtrain.Hook):
     """A seed-style hook that adds a key to the validation summary."""
 
@@ -285,6 +295,51 @@ def test_a_run_directory_under_a_file_is_refused_at_output_dir(
     assert main([command, str(job), *overrides]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "output_dir: the run directory" in err and "lies under" in err and "which is a file" in err
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_factory_needing_a_missing_package_is_one_line_at_its_section(
+    job: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    assert main([command, str(job), *sets("data={factory: failure_helpers:needs_a_missing_package}")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "data: failure_helpers:needs_a_missing_package: this data set needs the 'notinstalled' package" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_module_beside_the_config_may_import_its_siblings_when_called(
+    job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "failure_sibling.py").write_text("WIDTH = 64\n", encoding="utf-8")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the config's folder is not the working one
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    overrides = sets("data={factory: failure_helpers:imports_a_sibling_when_called}")
+    assert main(["validate", str(job), *overrides]) == EXIT_OK, capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_refused_at_logging_plot(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["validate", str(job), *sets("logging.plot=true")]) == EXIT_USAGE
+    assert "logging.plot: plot needs matplotlib, which is not installed" in capsys.readouterr().err
+
+
+def test_a_plot_that_fails_after_the_run_warns_and_the_run_succeeds(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the figure could not be drawn")
+
+    monkeypatch.setattr("nvtrain.plotting.plot_metrics", broken)
+    assert main(["train", str(job), *sets("logging.plot=true")]) == EXIT_OK
+    assert "| step 8 |" in capsys.readouterr().out
+    assert "curves.png was not drawn: RuntimeError: the figure could not be drawn" in caplog.text
 
 
 def test_an_empty_training_loader_is_named(job: Path, capsys: pytest.CaptureFixture[str]) -> None:

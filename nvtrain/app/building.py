@@ -161,14 +161,15 @@ def build(
 
 
 def _constructing(loaded: LoadedConfig, path: tuple[str | int, ...], what: str, make: Callable[[], Any]) -> Any:
-    """Call ``make``; a ValueError / TypeError it raises becomes one located line naming ``what``."""
+    """Call ``make``; a ValueError / TypeError / ImportError... it raises becomes one located line naming ``what``."""
     from nvtrain.config import ConfigError
 
     try:
         return make()
     except ConfigError:
         raise
-    except (ValueError, TypeError, KeyError, IndexError, AssertionError) as err:
+    except (ValueError, TypeError, KeyError, IndexError, AssertionError, ImportError) as err:
+        # ImportError: a factory needing what is not installed (the digits job without scikit-learn)
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise loaded.error(f"{what}: {text}", _blame(loaded, path, text)) from None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib.util
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -183,6 +184,11 @@ def run_logging_hooks(loaded: LoadedConfig) -> list[object]:
         hooks.append(CSVLoggerHook(run_dir / "metrics.csv", log_every_n_steps=every))
     elif section.plot:
         raise loaded.error("plot needs the metrics file: set logging.csv to true or plot to false", ("logging", "plot"))
+    if section.plot and importlib.util.find_spec("matplotlib") is None:
+        raise loaded.error(
+            "plot needs matplotlib, which is not installed: pip install 'nvtrain[cli]', or set logging.plot to false",
+            ("logging", "plot"),
+        )
     if section.tensorboard is True or (section.tensorboard == "auto" and tensorboard_available()):
         try:
             hooks.append(TensorBoardHook(run_dir / "tensorboard"))  # the step scheduler's log_remote_every_steps

@@ -17,7 +17,7 @@ from nvtrain.app.building import Built, build
 from nvtrain.app.checking import Plan, env_world_size
 from nvtrain.app.run_watch import RunWatch
 from nvtrain.app.status import EXIT_OK, EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
-from nvtrain.errors import ResumeError, TrainingDivergedError
+from nvtrain.errors import ResumeError, TrainingDivergedError, disk_full, one_line
 from nvtrain.hook import SavesCheckpoints
 
 logger = logging.getLogger("nvtrain.app")
@@ -168,8 +168,15 @@ def _plot(plan: Plan) -> None:
     if config.logging.plot and config.logging.csv and metrics_file.exists():
         from nvtrain.plotting import PLOT_NAME, plot_metrics, read_metrics
 
-        if read_metrics(metrics_file):
-            plot_metrics(metrics_file, plan.run_dir / PLOT_NAME, title=config.name)
+        try:  # the run is done and its metrics are on disk: a plot that fails does not fail it
+            if read_metrics(metrics_file):
+                plot_metrics(metrics_file, plan.run_dir / PLOT_NAME, title=config.name)
+        except Exception as err:
+            if isinstance(err, OSError) and disk_full(err) is not None:
+                raise  # a full disk is the run's failure to report (its metrics may be cut short too)
+            logger.warning(
+                "%s was not drawn: %s (draw it later with: nvtrain plot %s)", PLOT_NAME, one_line(err), plan.run_dir
+            )
 
 
 def _finish(

@@ -28,7 +28,8 @@ def resolve_import_path(spec: str, search_dirs: Sequence[Path] = ()) -> Any:
     except ModuleNotFoundError as err:
         if err.name and not module_name.startswith(err.name) and err.name != module_name:
             raise ImportError(f"importing {module_name!r} for {spec!r} failed: {err}") from err
-        where = f" (also looked in {', '.join(str(d) for d in search_dirs)})" if search_dirs else ""
+        folders = list(dict.fromkeys(str(d) for d in search_dirs))  # the config's folder may be the working one
+        where = f" (also looked in {', '.join(folders)})" if folders else ""
         raise ImportError(f"cannot import module {module_name!r} for {spec!r}{where}") from None
     except ImportError:
         raise
@@ -47,6 +48,9 @@ def resolve_import_path(spec: str, search_dirs: Sequence[Path] = ()) -> Any:
 
 
 def _import_module(name: str, search_dirs: Sequence[Path]) -> Any:
+    """Import ``name``, the search folders first; they stay on ``sys.path`` afterwards, last, so a module found
+    there can import its siblings when its functions run (as under ``python -m``), without shadowing anything
+    installed for the rest of the process."""
     added = [str(d) for d in search_dirs if str(d) not in sys.path]
     sys.path[:0] = added
     try:
@@ -55,3 +59,4 @@ def _import_module(name: str, search_dirs: Sequence[Path]) -> Any:
         for entry in added:
             if entry in sys.path:
                 sys.path.remove(entry)
+                sys.path.append(entry)
