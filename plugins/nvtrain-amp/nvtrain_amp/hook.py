@@ -6,7 +6,7 @@ import contextlib
 import sys
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import attrs
@@ -15,10 +15,26 @@ from torch.utils.hooks import RemovableHandle
 
 import nvtrain
 from nvtrain import TrainingStage
-from nvtrain.validators import float_in_range, int_at_least, number_above, strict_int
-from nvtrain_amp.precision import AUTO, Precision, as_precision, precision_name, precision_validator, resolve_auto
+from nvtrain.validators import float_in_range, int_at_least, number_above, refused, strict_int
+from nvtrain_amp.precision import (
+    AUTO,
+    PRECISION_NAMES,
+    Precision,
+    as_precision,
+    is_precision,
+    precision_name,
+    precision_validator,
+    resolve_auto,
+)
 
 __all__ = ["MixedPrecisionHook"]
+
+
+def _fits_int64(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
+    """GradScaler keeps the growth interval in a 64-bit integer; a larger one fails at its first update."""
+    if value >= 2**63:
+        raise refused(type(instance).__name__, attribute.name, value, "an int below 2**63")
+
 
 _BEFORE_BATCH = TrainingStage.BEFORE_BATCH
 _DO_BACKWARD = TrainingStage.DO_BACKWARD
@@ -98,9 +114,9 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
 
     precision: Precision = attrs.field(default=AUTO, converter=as_precision, validator=precision_validator)
     init_scale: float = attrs.field(default=2.0**16, validator=number_above(0, finite=True))
-    growth_factor: float = attrs.field(default=2.0, validator=number_above(1.0))
+    growth_factor: float = attrs.field(default=2.0, validator=number_above(1.0, finite=True))
     backoff_factor: float = attrs.field(default=0.5, validator=float_in_range(0.0, 1.0))
-    growth_interval: int = attrs.field(default=2000, validator=int_at_least(1))
+    growth_interval: int = attrs.field(default=2000, validator=[int_at_least(1), _fits_int64])
     priority: int = attrs.field(default=20, validator=strict_int)
 
     _dtype: torch.dtype | None = attrs.field(init=False, default=None, repr=False)
@@ -206,9 +222,11 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
 
     def abort_batch(self) -> None:
         """The batch raised: leave its autocast region now, not at the next batch (the caller's code, or a
-        ``validate()`` in full precision, would run under it). A scaler left unscaled is reset at the next batch."""
+        ``validate()`` in full precision, would run under it), and settle a scaler the batch unscaled
+        (``update()``, as the step would have), so a state saved now resumes as the run goes on."""
         self._close_autocast()
         self._batch_stepped = None
+        self._settle_scaler()
 
     def close(self) -> None:
         """Leave an autocast region an exception left open; drop the optimizer step watchers."""
@@ -242,11 +260,12 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         """Unscale the optimizers that have gradients (an optimizer without any has nothing to check and is
         stepped as in fp32, see :meth:`step_optimizer`); an inf/NaN in any of them skips them all."""
         unscaled = tuple(optimizer for optimizer in optimizers if _has_gradients(optimizer))
-        for optimizer in unscaled:
+        for index, optimizer in enumerate(unscaled):
             scaler.unscale_(optimizer)
+            # at once, not after the loop: one that raises on the next still leaves these due an update()
+            self._unscaled = unscaled[: index + 1]
         if len(unscaled) > 1:
             _skip_together(scaler, unscaled)
-        self._unscaled = unscaled
         self._batch_stepped = None
 
     def _publish_metrics(self, ctx: nvtrain.TrainingContext) -> None:
@@ -366,10 +385,11 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         scaler_state = state.get("scaler")
         if scaler_state is None:
             return
+        progress = _scaler_progress(scaler_state)
         if self._scaler is not None:
-            self._scaler.load_state_dict(scaler_state)
+            _apply_progress(self._scaler, progress)
         else:
-            self._pending_scaler_state = dict(scaler_state)
+            self._pending_scaler_state = progress
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -394,6 +414,7 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     def _create_scaler(self, ctx: nvtrain.TrainingContext) -> None:
         """The scaler for these models: sharded ones (DTensor parameters) need the inf check to agree across ranks."""
         self._scaler_due = False
+        _refuse_half_parameters(ctx.optimizers)
         group = _sharding_group(ctx.models.values())
         device_type = ctx.device.type
         if group is None:
@@ -402,13 +423,22 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             scaler, method = self.create_sharded_scaler(device_type, group), "create_sharded_scaler"
         _check_scaler(self, method, scaler)
         if self._pending_scaler_state is not None:
-            scaler.load_state_dict(self._pending_scaler_state)
+            _apply_progress(scaler, self._pending_scaler_state)
             self._pending_scaler_state = None
         self._scaler = scaler
 
     def _check_saved_precision(self, dtype: torch.dtype) -> None:
         saved, current = self._saved_precision, precision_name(dtype)
-        if saved is not None and saved != current:
+        if saved is None:
+            return
+        named = as_precision(saved.removeprefix("torch."))  # 'fp16', 'torch.float16': the same precision
+        if not is_precision(named) or named == AUTO:
+            raise ValueError(
+                f"MixedPrecisionHook.load_state_dict: the state's precision {saved!r} is none this hook knows "
+                f"(expected one of {PRECISION_NAMES})"
+            )
+        saved = precision_name(named)  # type: ignore[arg-type]
+        if saved != current:
             raise ValueError(
                 f"MixedPrecisionHook.load_state_dict: the state was saved with precision {saved!r} but this "
                 f"hook uses {current!r}; build the hook with precision={saved!r} or do not restore its state"
@@ -418,10 +448,8 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         # Per batch: the checks are inline, the calls happen only when there is something to do.
         if self._autocast_open:  # a batch that raised between BEFORE_BATCH and DO_BACKWARD left it open
             self._close_autocast()
-        if self._unscaled:
-            # A batch that raised after unscale_: reset the scaler before this batch scales.
-            self._unscaled = ()
-            self._scaler.update()  # type: ignore[union-attr]
+        if self._unscaled:  # a batch that raised after unscale_ where abort_batch() did not run (driven by hand)
+            self._settle_scaler()
         if self._dtype is None:
             self._resolve(ctx.device)
         if self._scaler_due:
@@ -441,6 +469,12 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         if self._scaler is not None:
             return self._scaler.scale(loss)
         return loss
+
+    def _settle_scaler(self) -> None:
+        """``update()`` for a batch that unscaled and did not reach AFTER_OPTIMIZER_STEP: the scaler is ready again."""
+        if self._unscaled and self._scaler is not None:
+            self._unscaled = ()
+            self._scaler.update()
 
     def _close_autocast(self) -> None:
         if self._autocast_open:
@@ -463,6 +497,50 @@ def _check_scaler(hook: MixedPrecisionHook, method: str, scaler: object) -> None
             f"{type(hook).__name__}.{method}() must return a torch.amp.GradScaler (or an instance of a "
             f"subclass: the hook reads the inf checks and the scale it keeps), got {type(scaler).__name__}"
         )
+    if not scaler.is_enabled():
+        raise ValueError(
+            f"{type(hook).__name__}.{method}() returned a disabled GradScaler (enabled=False, or built for a "
+            f"device this machine does not have: torch disables a 'cuda' scaler without CUDA); build it for the "
+            f"strategy's device type, torch.amp.GradScaler({hook._device_type!r}, ...), or use precision='bf16'"
+        )
+
+
+def _scaler_progress(saved: Any) -> dict[str, Any]:
+    """What a saved GradScaler state carries over: the loss scale reached and the good steps towards its next
+    growth. The growth and backoff settings stay the hook's own (its settings are what this run asked for)."""
+    where = "MixedPrecisionHook.load_state_dict: the state's 'scaler'"
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"{where} must be a GradScaler state (a dict), got {type(saved).__name__}")
+    scale, tracker = saved.get("scale"), saved.get("_growth_tracker", 0)
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < float("inf")):
+        raise ValueError(f"{where} must hold a finite positive 'scale', got {saved.get('scale')!r}")
+    if isinstance(tracker, bool) or not isinstance(tracker, int) or tracker < 0:
+        raise ValueError(f"{where} must hold an int '_growth_tracker' >= 0, got {tracker!r}")
+    return {"scale": float(scale), "_growth_tracker": tracker}
+
+
+def _apply_progress(scaler: torch.amp.GradScaler, progress: Mapping[str, Any]) -> None:
+    """The saved scale and good-step count into ``scaler``, under its own settings. The count is capped below
+    this growth interval: torch grows the scale only when the count reaches the interval exactly, so a count
+    saved under a longer interval would never grow it again."""
+    state = scaler.state_dict()
+    tracker = min(int(progress["_growth_tracker"]), int(state["growth_interval"]) - 1)
+    scaler.load_state_dict({**state, "scale": progress["scale"], "_growth_tracker": tracker})
+
+
+def _refuse_half_parameters(optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+    """GradScaler cannot unscale float16 gradients: a model trained in float16 weights would fail at the first
+    optimizer step, after its backward, with torch's bare message."""
+    for name, optimizer in optimizers.items():
+        for group in optimizer.param_groups:
+            if any(p.dtype == torch.float16 and p.requires_grad for p in group["params"]):
+                raise ValueError(
+                    f"MixedPrecisionHook(precision='float16'): optimizer {name!r} trains float16 parameters, whose "
+                    "float16 gradients GradScaler cannot unscale; keep the weights in float32 (autocast computes "
+                    "in float16 all the same), or use precision='bf16', which needs no scaler"
+                )
 
 
 def _sharding_group(models: Iterable[torch.nn.Module]) -> Any:
