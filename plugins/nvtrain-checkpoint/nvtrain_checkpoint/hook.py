@@ -645,6 +645,6 @@ def _active_plugins(hooks: list[object]) -> dict[str, dict[str, str]]:
             continue
         top = type(hook).__module__.partition(".")[0]
         distribution = (_distributions().get(top) or [top])[0]
-        version = storage.installed_version(distribution) or str(getattr(sys.modules.get(top), "__version__", "unknown"))
+        version = storage.running_version(distribution) or storage.running_version(top) or storage.UNKNOWN_VERSION
         plugins[name] = {"distribution": distribution, "version": version}
     return plugins

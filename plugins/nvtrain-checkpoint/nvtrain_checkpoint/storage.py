@@ -34,6 +34,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import uuid
 import warnings
 import zipfile
@@ -577,6 +578,22 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
+#: What a manifest records for a hook from code that is no installed distribution and has no ``__version__``
+#: (a class in the training script, a module beside it).
+UNKNOWN_VERSION = "unknown"
+
+
+def running_version(distribution: str) -> str | None:
+    """The version of ``distribution`` as a manifest records it: installed, else the ``__version__`` of the
+    loaded module of that name (code beside the script), else None."""
+    return installed_version(distribution) or _module_version(distribution)
+
+
+def _module_version(name: str) -> str | None:
+    version = getattr(sys.modules.get(name), "__version__", None)
+    return str(version) if version is not None else None
+
+
 def version_differences(manifest: Mapping[str, Any]) -> list[str]:
     """``"<what> <saved> -> <running>"`` for nvtrain and every plugin whose version changed."""
     import nvtrain
@@ -592,7 +609,9 @@ def version_differences(manifest: Mapping[str, Any]) -> list[str]:
         distribution, saved = info.get("distribution"), info.get("version")
         if not isinstance(distribution, str) or distribution == "nvtrain":
             continue
-        running = installed_version(distribution)
+        running = running_version(distribution)
+        if running is None and saved == UNKNOWN_VERSION:
+            continue  # code of no known version (a hook defined in the script): nothing to compare
         if running != saved:
             differences.append(f"plugin {name!r} ({distribution}) {saved} -> {running or 'not installed'}")
     return differences

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from nvtrain_checkpoint import (
     CheckpointError,
+    CheckpointHook,
     CheckpointVersionWarning,
     latest_checkpoint,
     list_checkpoints,
@@ -31,8 +33,13 @@ def _state(step: int = 1) -> dict[str, Any]:
         "models": {"main": {"weight": torch.full((2, 3), float(step))}},
         "optimizers": {},
         "lr_schedulers": {},
-        "counters": {"step_count": step, "global_step_count": step, "batch_count": step, "epoch": 0,
-                     "epoch_step_count": step},
+        "counters": {
+            "step_count": step,
+            "global_step_count": step,
+            "batch_count": step,
+            "epoch": 0,
+            "epoch_step_count": step,
+        },
         "scheduler": None,
         "hooks": {},
         "rng": {"python": (3, tuple(range(625)), None), "torch": torch.get_rng_state()},
@@ -204,8 +211,11 @@ def _forge(directory: Path, payload: Any) -> None:
     directory.mkdir()
     torch.save(payload, directory / STATE_NAME)
     data = (directory / STATE_NAME).read_bytes()
-    manifest = {"format_version": 1, "step": 1,
-                "files": {STATE_NAME: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}
+    manifest = {
+        "format_version": 1,
+        "step": 1,
+        "files": {STATE_NAME: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+    }
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
@@ -293,6 +303,62 @@ def test_matching_versions_do_not_warn(tmp_path: Path, recwarn: pytest.WarningsR
     assert not [w for w in recwarn if issubclass(w.category, CheckpointVersionWarning)]
 
 
+def test_a_hook_from_the_script_of_no_known_version_does_not_warn(
+    tmp_path: Path, recwarn: pytest.WarningsRecorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hook class defined in the training script (or a module beside it) has a plugin_name but no version."""
+    import types
+
+    beside = types.ModuleType("my_local_hooks")
+    beside.__version__ = "2.0"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "my_local_hooks", beside)
+    plugins = {
+        "running_stats": {"distribution": "__main__", "version": "unknown"},
+        "local": {"distribution": "my_local_hooks", "version": "2.0"},
+    }
+    read_checkpoint(_save(tmp_path, 1, plugins=plugins))
+    assert not [w for w in recwarn if issubclass(w.category, CheckpointVersionWarning)]
+    beside.__version__ = "2.1"  # type: ignore[attr-defined]
+    with pytest.warns(CheckpointVersionWarning, match=r"plugin 'local' \(my_local_hooks\) 2\.0 -> 2\.1"):
+        read_checkpoint(_save(tmp_path, 2, plugins=plugins))
+
+
+def test_a_resume_with_a_hook_defined_in_the_script_does_not_warn(
+    tmp_path: Path, recwarn: pytest.WarningsRecorder
+) -> None:
+    class RunningStats:
+        plugin_name = "running_stats"
+
+        @nvtrain.hookimpl
+        def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+            pass
+
+        def state_dict(self) -> dict[str, int]:
+            return {"n": 1}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            pass
+
+    def strategy(hook: CheckpointHook) -> nvtrain.TrainingStrategy:
+        return nvtrain.TrainingStrategy(
+            torch.nn.Linear(2, 1),
+            lambda p: torch.optim.SGD(p, lr=0.1),
+            torch.nn.functional.mse_loss,
+            hooks=[RunningStats(), hook],
+            device="cpu",
+            max_steps=2,
+        )
+
+    data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(2)]
+    with strategy(CheckpointHook(tmp_path)) as first:
+        first.run(data)
+    manifest = json.loads(next(tmp_path.glob("step_*/manifest.json")).read_text())
+    assert manifest["plugins"]["running_stats"]["version"] == "unknown"
+    with strategy(CheckpointHook(tmp_path, resume="auto")) as resumed:
+        resumed.run(data)
+    assert not [w for w in recwarn if issubclass(w.category, CheckpointVersionWarning)]
+
+
 # -- health and recovery ---------------------------------------------------------------------------
 
 
@@ -334,7 +400,9 @@ def test_checkpoint_hook_marks_each_checkpoint_by_its_loss(tmp_path: Path) -> No
     )
     with strategy:
         strategy.run(data)
-    kept = {info.step: json.loads((info.path / MANIFEST_NAME).read_text())["healthy"] for info in list_checkpoints(tmp_path)}
+    kept = {
+        info.step: json.loads((info.path / MANIFEST_NAME).read_text())["healthy"] for info in list_checkpoints(tmp_path)
+    }
     assert kept == {2: True, 5: False, 6: False}
 
 
