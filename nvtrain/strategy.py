@@ -24,6 +24,7 @@ from nvtrain.hook import (
     accumulating_hook,
     hook_label,
 )
+from nvtrain.host_rng import apply_host_rng, capture_host_rng
 from nvtrain.lr_schedule import LRSchedule, ScheduledLR, plan_schedules
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.registry import HookRegistry
@@ -794,8 +795,10 @@ class TrainingStrategy:
         devices = []
         if device.type == "cuda":
             devices = [device.index if device.index is not None else torch.cuda.current_device()]
+        host = capture_host_rng()  # a validation set that augments with numpy or random must not move them either
         with torch.random.fork_rng(devices=devices):
             self._evaluate(None)
+        apply_host_rng(host)
         self._after_validation()
         self.ctx.validation_follows = False
 

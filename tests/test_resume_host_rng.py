@@ -98,3 +98,20 @@ def test_a_replayed_resume_is_bitwise_with_host_rng_shuffling_and_augmentation(
     assert resumed["streams"][0] == straight["streams"][0]
     assert resumed["streams"][1] == straight["streams"][1]
     assert torch.equal(resumed["streams"][2], straight["streams"][2])
+
+
+def test_validating_with_host_rng_augmentation_leaves_training_unchanged() -> None:
+    """A validation set that augments with numpy and random: training with or without validation is the same."""
+    def trained(validate: bool) -> dict[str, torch.Tensor]:
+        val = DataLoader(HostAugmented("numpy"), batch_size=BATCH)
+        validation = nvtrain.ValidationConfig(data=val, every_n_steps=1) if validate else None
+        strategy = make_strategy([], STEPS, validation=validation)
+        random.seed(1), np.random.seed(1), torch.manual_seed(1)
+        train_loader = DataLoader(HostAugmented("python"), batch_size=BATCH, sampler=HostShuffled("numpy"))
+        with strategy:
+            strategy.run(train_loader)
+        return {k: v.clone() for k, v in strategy.ctx.models["main"].state_dict().items()}
+
+    plain, validated = trained(False), trained(True)
+    for name, value in plain.items():
+        assert torch.equal(validated[name], value), name
