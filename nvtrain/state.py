@@ -46,6 +46,7 @@ __all__ = [
     "apply_state",
     "capture_rng_state",
     "capture_state",
+    "check_model_fits",
     "check_state",
     "checkpointable_hooks",
     "find_checkpoint_reader",
@@ -312,7 +313,7 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
     # What can be refused is refused before anything is loaded: a refused state leaves the strategy as it was.
     _check_optimizer_classes(state.get("optimizer_classes"), ctx.optimizers)
     for name, model in ctx.models.items():
-        _check_model_fits(name, model, state["models"][name])
+        check_model_fits(name, model, state["models"][name])
     for name, optimizer in ctx.optimizers.items():
         _check_optimizer_fits(name, optimizer, state["optimizers"][name])
     for name, model in ctx.models.items():
@@ -337,7 +338,7 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
     apply_rng_state(_rank_rng(strategy, state), ctx.train_loader)
 
 
-def _check_model_fits(name: str, model: torch.nn.Module, saved: Any) -> None:
+def check_model_fits(name: str, model: torch.nn.Module, saved: Any) -> None:
     """Refuse saved weights whose names or shapes differ from the model's (what ``load_state_dict`` would
     refuse after loading the models before it); full weights for a sharded model are checked as they load."""
     module = unwrap_model(model)

@@ -594,13 +594,17 @@ def test_another_optimizer_class_is_refused_before_anything_is_written(
     assert snapshot_files(run) == before
 
 
-def test_another_model_architecture_is_refused_in_one_line(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_another_model_architecture_is_refused_in_one_line(
+    job: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """validate reads the checkpoint's weight shapes (not their data) and refuses as train would."""
     run = first_run(job)
     before = snapshot_files(run)
     capsys.readouterr()
-    assert main(["train", str(job), *sets(*CHECKPOINTED, "trainer.max_steps=6", "model.kwargs.hidden=24")]) == 2
+    assert main([command, str(job), *sets(*CHECKPOINTED, "trainer.max_steps=6", "model.kwargs.hidden=24")]) == 2
     err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("nvtrain train: error:")]
+    errors = [line for line in err.splitlines() if line.startswith(f"nvtrain {command}: error:")]
     assert len(errors) == 1 and "Traceback" not in err
     assert "cannot resume: the checkpoint's weights for model 'main' do not fit this model" in errors[0]
     assert "model config changed since the checkpoint: model.kwargs.hidden: 16 -> 24" in errors[0]

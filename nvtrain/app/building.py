@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from nvtrain.app.resume_plan import plan_resume
+from nvtrain.app.resume_plan import check_saved_weights, plan_resume
 from nvtrain.app.run_watch import RunWatch
 from nvtrain.config import LoadedConfig, RunConfig
 from nvtrain.hook import SavesCheckpoints, accumulating_hook
@@ -156,6 +156,7 @@ def build(
     strategy.register_hook(watch)
     built = Built(strategy=strategy, train_loader=train_loader, watch=watch, run_length=run_length)
     plan_resume(plan, built, rank, world_size, fresh)
+    check_saved_weights(plan, built)
     watch.effective_config = built.effective_config
     return built
 

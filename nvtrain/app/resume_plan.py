@@ -59,6 +59,32 @@ def plan_resume(plan: Plan, built: Built, rank: int, world_size: int, fresh: Map
         built.strategy.register_hook(ResumeAdjuster(adjust, fresh, step))
 
 
+def check_saved_weights(plan: Plan, built: Built) -> None:
+    """Weights that do not fit the models (a changed model config) are refused now, as the resume would refuse
+    them at the start of training, so ``nvtrain validate`` says so too."""
+    from nvtrain.state import check_model_fits
+
+    if built.resume_from is None:
+        return
+    readers = [getattr(h, "saved_weights", None) for h in plan.hooks if callable(getattr(h, "resume_checkpoint", None))]
+    read = readers[0] if readers else None
+    weights = read(built.resume_from) if callable(read) else None
+    if weights is None:
+        return
+    try:
+        for name, model in built.strategy.ctx.models.items():
+            if name in weights:
+                check_model_fits(name, model, weights[name])
+    except ResumeError as err:
+        raise plan.loaded.error(f"cannot resume: {with_model_changes(str(err), built)}", ("hooks",)) from None
+
+
+def with_model_changes(message: str, built: Built) -> str:
+    """``message`` with the model config changes since the checkpoint, which usually explain a refusal."""
+    model = [c.describe() for c in built.changes if c.key.startswith("model.")]
+    return message + (f" (model config changed since the checkpoint: {'; '.join(model)})" if model else "")
+
+
 def _plain(data: Any) -> Any:
     """JSON-compatible data (tuples to lists, other objects to str): what a manifest can hold."""
     import json

@@ -15,6 +15,7 @@ import torch
 
 from nvtrain.app.building import Built, build
 from nvtrain.app.checking import Plan, env_world_size
+from nvtrain.app.resume_plan import with_model_changes
 from nvtrain.app.run_watch import RunWatch
 from nvtrain.app.status import EXIT_OK, EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED
 from nvtrain.errors import ResumeError, TrainingDivergedError, disk_full, one_line
@@ -85,7 +86,7 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
                 try:
                     result = strategy.run(built.train_loader)
                 except ResumeError as err:
-                    message = f"cannot resume: {_with_model_changes(str(err), built)}"
+                    message = f"cannot resume: {with_model_changes(str(err), built)}"
                     raise plan.loaded.error(message, ("hooks",)) from None
         except TrainingDivergedError as err:
             if rank == 0:  # the metrics of the steps it took are worth seeing, the divergence most of all
@@ -132,11 +133,6 @@ def _announce(plan: Plan, built: Built) -> None:
         logger.info("resuming from %s with a changed config:", built.resume_from)
         for change in built.changes:
             logger.info("  %s", change.describe())
-
-
-def _with_model_changes(message: str, built: Built) -> str:
-    model = [c.describe() for c in built.changes if c.key.startswith("model.")]
-    return message + (f" (model config changed since the checkpoint: {'; '.join(model)})" if model else "")
 
 
 def _resumes(hooks: Sequence[object]) -> bool:

@@ -527,6 +527,21 @@ def load_state_file(path: Path) -> Any:
         raise CheckpointError(f"{path} is not a readable torch file: {type(err).__name__}: {err}") from err
 
 
+def saved_weights(path: str | os.PathLike[str], rank: int | None = None) -> dict[str, Any] | None:
+    """The model weights of the checkpoint at ``path``, mapped from disk (``mmap``: their shapes are there,
+    their data is not read), for a check before a resume; None for a sharded checkpoint or one that cannot be
+    read so (the resume itself then says why)."""
+    try:
+        directory = resolve_checkpoint(path, rank)
+        if isinstance(read_manifest(directory).get("sharded"), dict):
+            return None
+        state = torch.load(directory / STATE_NAME, map_location="cpu", weights_only=True, mmap=True)
+    except (CheckpointError, OSError, RuntimeError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile):
+        return None
+    models = state.get("models") if isinstance(state, dict) else None
+    return models if isinstance(models, dict) else None
+
+
 def _reason(err: Exception) -> str:
     """The line of a weights-only refusal that says what was refused (torch's message opens with advice)."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
