@@ -48,14 +48,14 @@ def export_weights(
     storage.verify_checkpoint(directory)
     if is_sharded_checkpoint(directory):
         state = storage.load_state_file(directory / storage.STATE_NAME)  # verified with the manifest above
-        model = _one_model(model_key, _state_models(state, directory), directory)
+        model = _one_model(model_key, _state_models(state, directory), directory, ema)
         if ema is False:
             weights = _consolidated_model(directory, model)
         else:
             weights = _consolidated(directory, _averaged(state, model, ema, directory))
     else:
         state = storage.read_checkpoint(directory)
-        model = _one_model(model_key, _state_models(state, directory), directory)
+        model = _one_model(model_key, _state_models(state, directory), directory, ema)
         weights = dict(state["models"][model]) if ema is False else _averaged(state, model, ema, directory)
     return _write_atomically(weights, Path(path))
 
@@ -67,11 +67,15 @@ def _state_models(state: Any, directory: Path) -> list[str]:
     return [str(name) for name in models]
 
 
-def _one_model(model_key: str | None, names: Iterable[str], directory: Path) -> str:
+def _one_model(model_key: str | None, names: Iterable[str], directory: Path, ema: bool | str = False) -> str:
+    """The model to export: ``model_key``, else the only one; an EMA state named by key needs none (it says
+    which average it is), so an empty name is returned for it."""
     names = sorted(names)
     if model_key is None:
+        if isinstance(ema, str):
+            return ""
         if len(names) != 1:
-            raise ValueError(f"{directory} holds the models {names}: name the one to export (model_key=...)")
+            raise ValueError(f"{directory} holds the models {names}: name the one to export (model_key=... / --model)")
         return names[0]
     if model_key not in names:
         raise ValueError(f"{directory} holds no model {model_key!r} (models: {names})")
@@ -127,7 +131,7 @@ def _ema_key(averages: list[str], model: str, only_model: bool, ema: bool | str,
         return averages[0]  # one model, one average (keyed otherwise: a state_key, or ``ema:0`` from older releases)
     raise ValueError(
         f"{directory} holds no EMA average of model {model!r} (no hook state {wanted!r}; EMA states: {averages}); "
-        "name the one to export (ema='<state key>')"
+        "name the one to export (ema='<state key>' / --ema-key)"
     )
 
 

@@ -127,6 +127,7 @@ def test_the_ema_of_the_chosen_model_is_taken_by_its_key(tmp_path: Path) -> None
         _exported(checkpoint, tmp_path, ema=True)
     with pytest.raises(ValueError, match=r"holds no EMA state 'amp' \(EMA states: \['ema:main', 'ema:teacher'\]\)"):
         _exported(checkpoint, tmp_path, "main", ema="amp")
+    assert _exported(checkpoint, tmp_path, ema="ema:teacher") == 20.0  # the key says which average: no model_key
 
 
 def test_one_model_with_one_average_under_another_key_is_taken(tmp_path: Path) -> None:
