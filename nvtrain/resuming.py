@@ -91,11 +91,22 @@ def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any], *, derives_
     changes = []
     for key in [*new, *(k for k in old if k not in new)]:
         was, is_now = old.get(key, _MISSING), new.get(key, _MISSING)
-        if was == is_now:
+        if was == is_now or _filled_in(key, was, is_now, old, new):
             continue
         effect, note = _classify(key, derives_horizon)
         changes.append(ConfigChange(key, was, is_now, effect, note))
     return changes
+
+
+def _filled_in(key: str, was: Any, is_now: Any, old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """An empty mapping on one side whose keys the other side has (``model.kwargs: {}`` saved, ``hidden`` set
+    now): the keys under it are the changes, the mapping itself is none."""
+    inside = key + "."
+    if was == {} and is_now is _MISSING:
+        return any(k.startswith(inside) for k in new)
+    if is_now == {} and was is _MISSING:
+        return any(k.startswith(inside) for k in old)
+    return False
 
 
 def _classify(key: str, derives_horizon: bool) -> tuple[str, str]:

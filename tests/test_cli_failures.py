@@ -706,3 +706,13 @@ def test_a_run_stopped_by_early_stopping_says_why_and_exits_0(job: Path, capsys:
     assert main(["train", str(job), *overrides]) == 0
     out = capsys.readouterr().out
     assert "stopped early: early stopping" in out
+
+
+def test_a_resume_lists_the_keys_a_filled_in_mapping_gained_not_the_mapping() -> None:
+    """``model.kwargs: {}`` saved, ``hidden: 16`` now: one change, model.kwargs.hidden (no "{} -> (absent)")."""
+    from nvtrain.resuming import config_changes
+
+    saved, now = {"model": {"kwargs": {}}}, {"model": {"kwargs": {"hidden": 16}}}
+    assert [c.key for c in config_changes(saved, now, derives_horizon=False)] == ["model.kwargs.hidden"]
+    assert [c.key for c in config_changes(now, saved, derives_horizon=False)] == ["model.kwargs.hidden"]
+    assert [c.key for c in config_changes(saved, {"model": {}}, derives_horizon=False)] == ["model.kwargs"]
