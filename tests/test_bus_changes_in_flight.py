@@ -205,7 +205,7 @@ def test_the_accumulating_hook_cannot_leave_a_run_in_progress(make_strategy: Any
     result = strategy.run(batches(8))
     assert result.step_count == 1 == strategy.ctx.scheduler.step  # one window of 8, one step
     (message,) = refusals
-    assert message.startswith("update hook GradientAccumulationHook ('accumulate') cannot be unregistered while run()")
+    assert message.startswith("update hook SchedulerAccumulationHook ('accumulate') cannot be unregistered while run()")
     assert "windows of 8 micro-batches" in message and "\n" not in message
     (accumulate,) = [h for h in strategy.update_hooks() if isinstance(h, GradientAccumulationHook)]
     strategy.bus.pluggy.unregister(accumulate)  # after the run it may leave

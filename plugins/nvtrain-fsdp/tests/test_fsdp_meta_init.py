@@ -164,8 +164,8 @@ def test_without_a_hook_that_materialises_a_meta_model_is_refused_naming_it() ->
 
 @pytest.mark.usefixtures("world_of_one")
 def test_a_meta_model_the_hook_does_not_shard_is_refused_after_setup() -> None:
-    models = {"main": build(), "other": build_on_meta()}
-    optimizers = {name: functools.partial(torch.optim.SGD, lr=0.1) for name in models}
+    models = {"main": build(), "other": build_on_meta()}  # "other": no optimizer (one it trains would be refused)
+    optimizers = {"main": functools.partial(torch.optim.SGD, lr=0.1)}
     run = nvtrain.TrainingStrategy(
         models, optimizers, torch.nn.functional.mse_loss, hooks=[FSDPHook(model_keys=("main",))], device="cpu"
     )
