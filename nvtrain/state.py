@@ -339,18 +339,31 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
 
 
 def check_model_fits(name: str, model: torch.nn.Module, saved: Any) -> None:
-    """Refuse saved weights whose names or shapes differ from the model's (what ``load_state_dict`` would
-    refuse after loading the models before it); full weights for a sharded model are checked as they load."""
+    """Refuse saved weights whose names or shapes differ from the model's, as ``load_state_dict`` would (but
+    before anything is loaded); full weights for a sharded model are checked as they load.
+
+    What a module decides for itself is left to it: under a module with a load pre-hook (which may rename
+    the saved keys) or its own ``_load_from_state_dict`` (BatchNorm accepts a state without
+    ``num_batches_tracked``) names are not compared, and a lazy parameter not yet materialised takes any shape.
+    """
     module = unwrap_model(model)
     if not isinstance(saved, Mapping) or full_into_sharded(module.parameters(), saved):
         return
+    own_loaders = tuple(
+        f"{prefix}." if prefix else ""
+        for prefix, sub in module.named_modules()
+        if sub._load_state_dict_pre_hooks or type(sub)._load_from_state_dict is not _MODULE_LOADER
+    )
     live = module.state_dict()
-    missing = [key for key in live if key not in saved]
-    unexpected = [key for key in saved if key not in live]
+    missing = [key for key in live if key not in saved and not key.startswith(own_loaders or ("\0",))]
+    unexpected = [key for key in saved if key not in live and not key.startswith(own_loaders or ("\0",))]
     shapes = [
         f"{key}: saved {tuple(saved[key].shape)}, model {tuple(value.shape)}"
         for key, value in live.items()
-        if key in saved and isinstance(value, torch.Tensor) and isinstance(saved[key], torch.Tensor)
+        if key in saved
+        and isinstance(value, torch.Tensor)
+        and not torch.nn.parameter.is_lazy(value)
+        and isinstance(saved[key], torch.Tensor)
         and saved[key].shape != value.shape
     ]
     problems = [
@@ -360,6 +373,10 @@ def check_model_fits(name: str, model: torch.nn.Module, saved: Any) -> None:
     ]
     if problems:
         raise ResumeError(f"the checkpoint's weights for model {name!r} do not fit this model: {'; '.join(problems)}")
+
+
+#: ``torch.nn.Module``'s own state loader: a module that replaces it loads in its own way.
+_MODULE_LOADER = torch.nn.Module._load_from_state_dict
 
 
 def _check_optimizer_fits(name: str, optimizer: torch.optim.Optimizer, saved: Any) -> None:

@@ -105,3 +105,39 @@ def test_an_optimizer_with_other_parameter_groups_is_refused_before_anything_loa
     with pytest.raises(ResumeError, match=r"optimizer 'head' does not fit it: its parameter groups hold \[1\] parameters in the checkpoint but \[2\]"):
         strategy.load_state_dict(state)
     assert_unchanged(before, snapshot(strategy))
+
+
+class RenamedOnLoad(torch.nn.Module):
+    """Loads states written when its layer was called ``lin`` (a load pre-hook renames the keys)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 2)
+
+        def rename(state: dict[str, Any], prefix: str, *args: Any) -> None:
+            for key in [k for k in state if k.startswith(prefix + "lin.")]:
+                state[prefix + "proj." + key.removeprefix(prefix + "lin.")] = state.pop(key)
+
+        self._register_load_state_dict_pre_hook(rename)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+@pytest.mark.parametrize(
+    ("live", "saved_state"),
+    [
+        (torch.nn.LazyLinear(2), lambda: torch.nn.Linear(3, 2).state_dict()),  # not materialised yet
+        (RenamedOnLoad(), lambda: {f"lin.{k}": v for k, v in torch.nn.Linear(3, 2).state_dict().items()}),
+        (  # an old state without num_batches_tracked, which BatchNorm's own loader accepts
+            torch.nn.BatchNorm1d(3),
+            lambda: {k: v for k, v in torch.nn.BatchNorm1d(3).state_dict().items() if k != "num_batches_tracked"},
+        ),
+    ],
+)
+def test_what_a_module_loads_its_own_way_is_left_to_it(live: torch.nn.Module, saved_state: Any) -> None:
+    from nvtrain.state import check_model_fits
+
+    saved = saved_state()
+    check_model_fits("main", live, saved)
+    live.load_state_dict(saved)  # and torch agrees
