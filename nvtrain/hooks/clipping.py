@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.stages import TrainingStage
-from nvtrain.stash import StashKey
+from nvtrain.stash import Stash, StashKey
 from nvtrain.validators import number_above, optional_number_above, optional_str_tuple, strict_int
 
 if TYPE_CHECKING:
@@ -207,6 +207,8 @@ class GradientClippingHook(TrainingUpdateHook):
     _metric: str = attrs.field(init=False, repr=False)
     _params: OptimizerParameters = attrs.field(init=False, repr=False)
     _label: str = attrs.field(init=False, repr=False)
+    #: Where this hook left its pre-clip norms (the strategy's stash), to take them back if the batch fails.
+    _stash: Stash | None = attrs.field(init=False, default=None, repr=False, on_setattr=attrs.setters.NO_OP)
 
     def __attrs_post_init__(self) -> None:
         if (self.max_norm is None) == (self.max_value is None):
@@ -238,4 +240,15 @@ class GradientClippingHook(TrainingUpdateHook):
             if self.model_keys is None:
                 stash[GRAD_NORM] = (batch, norm)
         record[1].append(PreClipNorm(params, self.norm_type, norm, self._label))
+        self._stash = stash
         return True, None
+
+    def abort_batch(self) -> None:
+        """The micro-batch failed after clipping: its pre-clip norms go, or the next attempt at it (the same
+        ``ctx.batch_count``) would be judged by them."""
+        stash, self._stash = self._stash, None
+        if stash is not None:
+            if PRE_CLIP_NORMS in stash:
+                del stash[PRE_CLIP_NORMS]
+            if GRAD_NORM in stash:
+                del stash[GRAD_NORM]

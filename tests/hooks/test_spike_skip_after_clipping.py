@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -153,3 +154,40 @@ def test_a_parameter_two_clipping_hooks_share_is_refused_at_the_first_judgement(
     strategy = make_strategy([*hooks, SpikeSkipHook()], models=models)
     with pytest.raises(ValueError, match=r"clipped a parameter that GradientClippingHook\(model_keys=\('a',\)\)"):
         strategy.train_batch(make_batches(1)[0])
+
+
+class FailsOnce(torch.optim.SGD):
+    """An optimizer whose first step raises (after the clipping hooks ran)."""
+
+    failed = False
+
+    def step(self, closure: Any = None) -> Any:
+        if not FailsOnce.failed:
+            FailsOnce.failed = True
+            raise RuntimeError("a transient failure in optimizer.step")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("clip_keys", [[None], [("a",), ("b", "c")]])
+def test_a_micro_batch_that_failed_after_clipping_leaves_no_norm_behind(clip_keys: list[Any]) -> None:
+    """The next attempt has the same ctx.batch_count: it is judged by its own pre-clip norms."""
+    FailsOnce.failed = False
+    spike = SpikeSkipHook(warmup_steps=50, monitor="grad_norm")
+    recorder = PreClipNorms(2.0)
+    clippers = [GradientClippingHook(max_norm=1e-3, model_keys=keys) for keys in clip_keys]
+    strategy = nvtrain.TrainingStrategy(
+        models=make_models(),
+        optimizers=dict.fromkeys(MODEL_KEYS, functools.partial(FailsOnce, lr=0.01)),
+        forward_fn=forward,
+        loss_fn=torch.nn.functional.mse_loss,
+        hooks=[*clippers, spike, recorder],
+        device="cpu",
+    )
+    big, *small = make_batches(4, spike_at=0)
+    with pytest.raises(RuntimeError, match="transient failure"):
+        strategy.train_batch(big)
+    for batch in small:
+        strategy.train_batch(batch)
+    # the failed batch's own norm was judged before its step failed; every later one is judged by its own
+    assert spike.state_dict()["norm_history"] == pytest.approx(recorder.norms, rel=1e-6)
+    assert len(recorder.norms) == 4 and recorder.norms[0] > 100 * max(recorder.norms[1:])
