@@ -12,10 +12,20 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["batch_size", "device_mover"]
+__all__ = ["batch_size", "device_mover", "loader_batch_size"]
 
 #: Values a batch may carry that never hold a tensor.
 _PLAIN = (str, bytes, int, float, complex, type(None))
+
+
+def loader_batch_size(loader: Any) -> int | None:
+    """Samples per micro-batch a loader says it yields: its ``batch_size``, else its ``batch_sampler``'s (a
+    DataLoader given ``batch_sampler=`` has ``batch_size`` None); None when neither says."""
+    for owner in (loader, getattr(loader, "batch_sampler", None)):
+        size = getattr(owner, "batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+            return size
+    return None
 
 
 def batch_size(batch: Any) -> int:

@@ -7,7 +7,8 @@ in :class:`LRSchedule` says when to step the scheduler:
   accumulating, vetoed or overflowed one), by the update orchestrator;
 - ``interval="epoch"``: once at the end of every epoch whose data was used up,
   just before AFTER_EPOCH fires (so epoch hooks and checkpoints see the new rate);
-- metric-driven (a ``ReduceLROnPlateau``, or any scheduler given ``monitor``):
+- metric-driven (a ``ReduceLROnPlateau``, or a scheduler whose ``step(metrics)`` takes the
+  value, given ``monitor``; others are refused):
   after every validation inside ``run()``, with ``ctx.validation[monitor]``
   (default ``"loss"``), never per optimizer step.
 """

@@ -14,7 +14,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from nvtrain.batching import batch_size, device_mover
+from nvtrain.batching import batch_size, device_mover, loader_batch_size
 from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
 from nvtrain.hook import (
@@ -964,13 +964,8 @@ def _stop_reason(scheduler: StepScheduler) -> str | None:
 
 
 def _local_batch_size(loader: Any) -> int:
-    """Samples per micro-batch: the loader's ``batch_size``, else its ``batch_sampler``'s (a DataLoader given
-    ``batch_sampler=`` has ``batch_size`` None), else 1."""
-    for owner in (loader, getattr(loader, "batch_sampler", None)):
-        size = getattr(owner, "batch_size", None)
-        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
-            return size
-    return 1
+    """Samples per micro-batch: what the loader says (:func:`~nvtrain.batching.loader_batch_size`), else 1."""
+    return loader_batch_size(loader) or 1
 
 
 def on_meta_device(model: torch.nn.Module) -> bool:

@@ -68,6 +68,12 @@ def train_only():
     return DataLoader(data, batch_size=8), None
 
 
+def batch_sampler_loaders():
+    from torch.utils.data import BatchSampler, SequentialSampler
+    data = TensorDataset(torch.zeros(64, 64), torch.zeros(64, dtype=torch.long))
+    return DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 8, drop_last=False)), None
+
+
 def needs_a_missing_package():
     raise ImportError("this data set needs the 'notinstalled' package: pip install notinstalled")
 
@@ -328,6 +334,16 @@ def test_plot_without_matplotlib_is_refused_at_logging_plot(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     assert main(["validate", str(job), *sets("logging.plot=true")]) == EXIT_USAGE
     assert "logging.plot: plot needs matplotlib, which is not installed" in capsys.readouterr().err
+
+
+def test_a_loader_given_a_batch_sampler_counts_its_batch_size(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """global_batch_size 16 over batches of 8 from a BatchSampler is 2 micro-batches a step, as the hook says."""
+    overrides = sets(
+        "data={factory: failure_helpers:batch_sampler_loaders}",
+        "trainer={global_batch_size: 16, num_epochs: 1}",
+        "hooks=[{name: accumulate, steps: 2}]",
+    )
+    assert main(["validate", str(job), *overrides]) == EXIT_OK, capsys.readouterr().err
 
 
 def test_a_plot_that_fails_after_the_run_warns_and_the_run_succeeds(

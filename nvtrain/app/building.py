@@ -21,6 +21,7 @@ import torch
 
 from nvtrain.app.resume_plan import check_saved_weights, plan_resume
 from nvtrain.app.run_watch import RunWatch
+from nvtrain.batching import loader_batch_size
 from nvtrain.config import LoadedConfig, RunConfig
 from nvtrain.hook import SavesCheckpoints, accumulating_hook
 
@@ -230,8 +231,8 @@ def _run_bounds(
     """
     trainer = config.trainer
     batches = _length(loader)
-    local_batch = getattr(loader, "batch_size", None)
-    local = local_batch if isinstance(local_batch, int) and local_batch > 0 else 1
+    local_batch = loader_batch_size(loader)  # its batch_sampler's for a DataLoader given batch_sampler=
+    local = local_batch or 1
     counted = loader
     if batches and world > 1 and not per_rank and not _is_distributed_sampler(getattr(loader, "sampler", None)):
         samples = _length(getattr(loader, "dataset", None))
@@ -262,8 +263,7 @@ def _check_accumulation(plan: Plan, loader: Any, world: int) -> None:
     if gbs is None or hook is None:
         return
     index = next(i for i, h in enumerate(plan.hooks) if h is hook)
-    size = getattr(loader, "batch_size", None)
-    local = size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else 1
+    local = loader_batch_size(loader) or 1
     steps = gbs // (local * world)
     if hook.accumulation_steps == steps:
         return

@@ -114,11 +114,13 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
         raise loaded.error(
             "use_ema is true but no EMA hook is configured (add `- ema` to hooks)", ("validation", "use_ema")
         )
+    written = "use_ema: auto" if use_ema == "auto" else "use_ema=True"
     use_ema = averaging if use_ema == "auto" else use_ema
     try:  # which average a validation evaluates: one per model, named by state_key when there are two
         averages_to_validate(hooks, ValidationConfig(use_ema=use_ema))
     except ValueError as err:
-        raise loaded.error(str(err).replace("ValidationConfig.use_ema", "use_ema"), ("validation", "use_ema")) from None
+        message = str(err).replace("ValidationConfig.use_ema=True", written).replace("ValidationConfig.use_ema", "use_ema")
+        raise loaded.error(message, ("validation", "use_ema")) from None
     if config.validation.use_mixed_precision is True and not any(isinstance(h, ProvidesAutocast) for h in hooks):
         raise loaded.error(
             "use_mixed_precision is true but no mixed-precision hook is configured "

@@ -320,11 +320,11 @@ class ModulePatchHook(_AppliedAtSetup):
         for key, name, pattern in plan:
             old = selected[key].get_submodule(name)
             earlier = chosen.setdefault(id(old), (old, pattern, key, name))
-            if earlier[1] != pattern:
+            if self.patches[earlier[1]] is not self.patches[pattern]:
                 raise ValueError(
                     f"ModulePatchHook.patches: module {earlier[3]!r} of model {earlier[2]!r} is also registered "
-                    f"as {name!r} of model {key!r}, and patterns {earlier[1]!r} and {pattern!r} would replace "
-                    "it differently; give one pattern for it"
+                    f"as {name!r} of model {key!r}, and patterns {earlier[1]!r} and {pattern!r} give it different "
+                    "factories; give it one"
                 )
         self.replaced = []
         for old, pattern, key, name in chosen.values():

@@ -357,8 +357,15 @@ def test_patching_a_module_registered_twice_replaces_it_under_both_names(pattern
 
 def test_patterns_giving_one_module_two_replacements_are_refused() -> None:
     hook = ModulePatchHook({"a": lambda old: torch.nn.Linear(3, 3), "b": lambda old: torch.nn.Identity()})
-    with pytest.raises(ValueError, match=r"module 'a' of model 'main' is also registered as 'b'.*give one pattern"):
+    with pytest.raises(ValueError, match=r"module 'a' of model 'main' is also registered as 'b'.*different factories"):
         hook.apply({"main": TiedTwice()})
+    def one_factory(old: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.Linear(3, 3)
+
+    same = ModulePatchHook({"a": one_factory, "b": one_factory})  # both names, one factory: one replacement
+    model = TiedTwice()
+    same.apply({"main": model})
+    assert model.a is model.b
 
 
 @pytest.mark.parametrize(

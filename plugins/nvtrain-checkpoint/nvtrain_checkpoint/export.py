@@ -38,7 +38,8 @@ def export_weights(
 
     ``checkpoint`` is a checkpoint directory or a checkpoint root (its latest); a sharded
     checkpoint is consolidated (every shard read, in this process alone, into full tensors).
-    ``model_key`` may be left out when the checkpoint holds one model. ``ema=True`` writes
+    ``model_key`` may be left out when the checkpoint holds one model, or when ``ema`` names
+    the average by its key. ``ema=True`` writes
     the model's exponential moving average instead (the EMA hook's state, saved under
     ``ema:<model_key>``); a string names the hook state to take it from
     (``ema="ema:teacher"``). The file loads with ``torch.load(path, weights_only=True)``

@@ -181,7 +181,8 @@ class CheckpointHook:
 
         From ``checkpoint`` (a checkpoint directory or root; default: the latest under
         ``checkpoint_dir``), sharded or not: a sharded one is consolidated into full tensors
-        in this process. ``model_key`` may be left out when there is one model. ``ema=True``
+        in this process. ``model_key`` may be left out when there is one model (or ``ema`` names
+        the average by its key). ``ema=True``
         writes the model's EMA average instead (see :func:`nvtrain_checkpoint.export_weights`).
         The file loads with ``torch.load(path, weights_only=True)`` into the plain model.
         """

@@ -98,9 +98,10 @@ class DDPHook(ShardsTrainLoader):
     - ``close()`` puts the unwrapped models back into ``ctx.models`` and destroys the
       process group only if this hook created it. The injected loader stays in place.
 
-    In a single process (no process group and ``WORLD_SIZE`` at most 1) the hook does
-    nothing (its settings are still checked: ``static_graph`` with accumulation is refused),
-    so one script runs under ``python`` and ``torchrun`` alike.
+    In a single process (no process group and ``WORLD_SIZE`` at most 1) the hook wraps
+    nothing (its settings are still checked: ``static_graph`` with accumulation and
+    ``model_keys`` that leave out a trained model are refused), so one script runs, or is
+    refused, under ``python`` and ``torchrun`` alike.
     """
 
     plugin_name: ClassVar[str] = "ddp"
