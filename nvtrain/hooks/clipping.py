@@ -240,7 +240,8 @@ class GradientClippingHook(TrainingUpdateHook):
             if self.model_keys is None:
                 stash[GRAD_NORM] = (batch, norm)
         record[1].append(PreClipNorm(params, self.norm_type, norm, self._label))
-        self._stash = stash
+        if self._stash is not stash:  # once per strategy, not a write per step
+            self._stash = stash
         return True, None
 
     def abort_batch(self) -> None:
