@@ -627,6 +627,21 @@ def test_another_model_architecture_is_refused_in_one_line(
     assert snapshot_files(run) == before
 
 
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_data_position_the_run_cannot_continue_is_refused_by_validate_too(
+    job: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """Another batch size: the checkpoint's position (micro-batches into the epoch) means other samples now."""
+    run = first_run(job)
+    before = snapshot_files(run)
+    capsys.readouterr()
+    overrides = sets(*CHECKPOINTED, "trainer.max_steps=6", "data.kwargs.batch_size=32")
+    assert main([command, str(job), *overrides]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "cannot resume: StepScheduler.load_state_dict:" in err and "Traceback" not in err
+    assert snapshot_files(run) == before
+
+
 def test_max_steps_at_the_checkpoint_trains_nothing_and_touches_nothing(
     job: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from nvtrain.app.resume_plan import check_saved_weights, plan_resume
+from nvtrain.app.resume_plan import check_saved_weights, plan_resume, saved_state, with_model_changes
 from nvtrain.app.run_watch import RunWatch
 from nvtrain.batching import loader_batch_size
 from nvtrain.config import LoadedConfig, RunConfig
@@ -157,7 +157,9 @@ def build(
     strategy.register_hook(watch)
     built = Built(strategy=strategy, train_loader=train_loader, watch=watch, run_length=run_length)
     plan_resume(plan, built, rank, world_size, fresh)
-    check_saved_weights(plan, built)
+    state = saved_state(plan, built)
+    check_saved_weights(plan, built, state)
+    _check_saved_position(plan, built, state, world_size)
     watch.effective_config = built.effective_config
     return built
 
@@ -216,6 +218,29 @@ def _accumulation(plan: Plan) -> int:
     takes as the window when ``trainer.global_batch_size`` is left out."""
     hook = accumulating_hook(plan.hooks, strict=False)  # two are refused at the strategy, naming hooks
     return hook.accumulation_steps if hook is not None else 1
+
+
+def _check_saved_position(plan: Plan, built: Built, state: Mapping[str, Any] | None, world: int) -> None:
+    """In one process, a data position the run's step scheduler would refuse (another global batch size, data
+    set or sample order) is refused now, by a scheduler built as the run's is, so ``validate`` says so too.
+    Under several ranks the loaders are re-sampled at SETUP and the run's own check decides."""
+    saved = state.get("scheduler") if state is not None else None
+    if world != 1 or not isinstance(saved, Mapping):
+        return
+    trainer, loader = plan.config.trainer, built.train_loader
+    local = loader_batch_size(loader) or 1
+    scheduler = trainer.create(
+        global_batch_size=trainer.global_batch_size or local * _accumulation(plan),
+        local_batch_size=local,
+        dp_size=1,
+        dataloader=loader,
+        preemption_signal=None,
+        synchronized_stream=bool(getattr(loader, "synchronized_stream", False)),
+    )
+    try:
+        scheduler.load_state_dict(dict(saved))
+    except ValueError as err:
+        raise plan.loaded.error(f"cannot resume: {with_model_changes(str(err), built)}", ("hooks",)) from None
 
 
 def _run_bounds(

@@ -59,17 +59,13 @@ def plan_resume(plan: Plan, built: Built, rank: int, world_size: int, fresh: Map
         built.strategy.register_hook(ResumeAdjuster(adjust, fresh, step))
 
 
-def check_saved_weights(plan: Plan, built: Built) -> None:
+def check_saved_weights(plan: Plan, built: Built, state: Mapping[str, Any] | None) -> None:
     """Weights that do not fit the models (a changed model config) are refused now, as the resume would refuse
     them at the start of training, so ``nvtrain validate`` says so too."""
     from nvtrain.state import check_model_fits
 
-    if built.resume_from is None:
-        return
-    readers = [getattr(h, "saved_weights", None) for h in plan.hooks if callable(getattr(h, "resume_checkpoint", None))]
-    read = readers[0] if readers else None
-    weights = read(built.resume_from) if callable(read) else None
-    if weights is None:
+    weights = state.get("models") if state is not None else None
+    if not isinstance(weights, Mapping):
         return
     try:
         for name, model in built.strategy.ctx.models.items():
@@ -77,6 +73,17 @@ def check_saved_weights(plan: Plan, built: Built) -> None:
                 check_model_fits(name, model, weights[name])
     except ResumeError as err:
         raise plan.loaded.error(f"cannot resume: {with_model_changes(str(err), built)}", ("hooks",)) from None
+
+
+def saved_state(plan: Plan, built: Built) -> Mapping[str, Any] | None:
+    """The state of the checkpoint the run resumes from, mapped without its data (None: no resume, or a
+    checkpoint hook that cannot say)."""
+    if built.resume_from is None:
+        return None
+    readers = [getattr(h, "saved_state", None) for h in plan.hooks if callable(getattr(h, "resume_checkpoint", None))]
+    read = readers[0] if readers else None
+    state = read(built.resume_from) if callable(read) else None
+    return state if isinstance(state, Mapping) else None
 
 
 def with_model_changes(message: str, built: Built) -> str:

@@ -189,10 +189,11 @@ class CheckpointHook:
         source = self.checkpoint_dir if checkpoint is None else checkpoint
         return export_weights(source, path, model_key, ema=ema)
 
-    def saved_weights(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
-        """The checkpoint's model weights, mapped without reading their data, so ``nvtrain validate`` can tell
-        whether they fit the models (None: a sharded checkpoint, checked as it loads)."""
-        return storage.saved_weights(path)
+    def saved_state(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
+        """The checkpoint's training state, mapped without reading the tensors' data, so ``nvtrain validate``
+        can tell whether its weights fit the models and its data position the run (None: a sharded
+        checkpoint, checked as it loads)."""
+        return storage.saved_state(path)
 
     def read_manifest(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """The manifest of the checkpoint at ``path``: step, epoch, versions, ``healthy``, ``run_config``."""

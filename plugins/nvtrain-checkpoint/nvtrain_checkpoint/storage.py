@@ -527,10 +527,10 @@ def load_state_file(path: Path) -> Any:
         raise CheckpointError(f"{path} is not a readable torch file: {type(err).__name__}: {err}") from err
 
 
-def saved_weights(path: str | os.PathLike[str], rank: int | None = None) -> dict[str, Any] | None:
-    """The model weights of the checkpoint at ``path``, mapped from disk (``mmap``: their shapes are there,
-    their data is not read), for a check before a resume; None for a sharded checkpoint or one that cannot be
-    read so (the resume itself then says why)."""
+def saved_state(path: str | os.PathLike[str], rank: int | None = None) -> dict[str, Any] | None:
+    """The training state of the checkpoint at ``path``, mapped from disk (``mmap``: the tensors' shapes are
+    there, their data is not read), for checks before a resume; None for a sharded checkpoint or one that
+    cannot be read so (the resume itself then says why)."""
     try:
         directory = resolve_checkpoint(path, rank)
         if isinstance(read_manifest(directory).get("sharded"), dict):
@@ -538,8 +538,7 @@ def saved_weights(path: str | os.PathLike[str], rank: int | None = None) -> dict
         state = torch.load(directory / STATE_NAME, map_location="cpu", weights_only=True, mmap=True)
     except (CheckpointError, OSError, RuntimeError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile):
         return None
-    models = state.get("models") if isinstance(state, dict) else None
-    return models if isinstance(models, dict) else None
+    return state if isinstance(state, dict) else None
 
 
 def _reason(err: Exception) -> str:
