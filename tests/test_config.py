@@ -163,6 +163,14 @@ def test_unknown_key_names_line_and_closest_key(tmp_path: Path) -> None:
     assert "\n" not in str(err)
 
 
+def test_an_unknown_key_does_not_hide_the_values_its_section_refuses(tmp_path: Path) -> None:
+    """cattrs refuses the key before it builds the section; the section is looked at again without it."""
+    path = write(tmp_path, MINIMAL + "trainer:\n  max_step: 3\n  num_epochs: -1\n")
+    err = str(error_of(path))
+    assert err.startswith(f"{path}:6:3: trainer.max_step: unknown key 'max_step' in section 'trainer'")
+    assert f"(and 1 more: {path}:7:3: trainer.num_epochs: StepSchedulerConfig.num_epochs must be" in err
+
+
 def test_unknown_top_level_key_lists_valid_keys(tmp_path: Path) -> None:
     err = error_of(write(tmp_path, MINIMAL + "colour: blue\n"))
     assert err.path == ("colour",) and "valid keys: name, output_dir" in str(err)

@@ -9,6 +9,7 @@ and lists the others on the same line.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -42,12 +43,43 @@ def structure_config(data: dict[str, Any], locate: Callable[[ConfigPath], str]) 
     try:
         return converter().structure(data, RunConfig)  # type: ignore[no-any-return]
     except BaseValidationError as err:
-        found = sorted(problems(err), key=lambda problem: "did you mean" not in problem.message)
+        found = list(problems(err))
+        found += [p for p in _behind_unknown_keys(data, found) if p not in found]
+        found.sort(key=lambda problem: "did you mean" not in problem.message)
         path, message = found[0]
         if len(found) > 1:
             others = "; ".join(f"{locate(p)}: {format_path(p) + ': ' if p else ''}{m}" for p, m in found[1:])
             message += f" (and {len(found) - 1} more: {others})"
         raise ConfigError(message, path=path, location=locate(path)) from None
+
+
+def _behind_unknown_keys(data: dict[str, Any], found: list[Problem]) -> list[Problem]:
+    """What a section's validators refuse that its unknown keys hid: cattrs refuses the keys before it builds
+    the section, so the data is structured once more without them."""
+    from cattrs.errors import BaseValidationError
+
+    unknown = [p.path for p in found if p.message.startswith("unknown key ")]
+    if not unknown:
+        return []
+    cleaned = copy.deepcopy(data)
+    for path in unknown:
+        parent: Any = cleaned
+        for part in path[:-1]:
+            if isinstance(parent, dict):
+                parent = parent.get(part)
+            elif isinstance(parent, list) and isinstance(part, int) and 0 <= part < len(parent):
+                parent = parent[part]
+            else:
+                parent = None
+        if isinstance(parent, dict):
+            parent.pop(path[-1], None)
+    try:
+        converter().structure(cleaned, RunConfig)
+    except BaseValidationError as err:
+        return [p for p in problems(err) if not p.message.startswith("unknown key ")]
+    except Exception:  # the cleaned data is only a second look: what it cannot say, the first error says
+        return []
+    return []
 
 
 def problems(err: BaseException, path: ConfigPath = ()) -> Iterator[Problem]:
