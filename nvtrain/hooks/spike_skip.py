@@ -86,6 +86,10 @@ class RollingStats:
         variance = max(self._sumsq / n - mean * mean, 0.0)
         return self._shift + mean + sigmas * math.sqrt(variance)
 
+    def recompute(self) -> None:
+        """The sums again from the values, exactly (after values were taken out)."""
+        self._recompute()
+
     def _recompute(self) -> None:
         values = self.values
         self._shift = math.fsum(values) / len(values) if values else 0.0
@@ -160,6 +164,10 @@ class SpikeSkipHook(TrainingUpdateHook):
     _parts_key: tuple[int, ...] = attrs.field(init=False, default=(), repr=False)
     #: The parameters no clipping hook measured (they are unclipped when this hook judges).
     _rest: list[torch.Tensor] = attrs.field(init=False, factory=list, repr=False)
+    #: ``(ctx, ctx.batch_count, [(stats, value the append evicted)])`` of the latest accepted step, to undo.
+    _accepted_here: tuple[Any, int, list[tuple[RollingStats, float | None]]] | None = attrs.field(
+        init=False, default=None, repr=False, on_setattr=attrs.setters.NO_OP
+    )
     #: Whether the latest decision skipped the step.
     last_skipped: bool = attrs.field(init=False, default=False, repr=False)
 
@@ -240,9 +248,29 @@ class SpikeSkipHook(TrainingUpdateHook):
                 if not math.isfinite(value) or value > limit:
                     return True
         self._accepted += 1
+        evicted = []
         for index, stat in enumerate(stats):
+            full = len(stat.values) == stat.values.maxlen
+            evicted.append((stat, stat.values[0] if full else None))
             stat.append(math.fsum(row[index] for row in rows) / len(rows))
+        self._accepted_here = (ctx, ctx.batch_count, evicted)  # taken back if this micro-batch fails
         return False
+
+    def abort_batch(self) -> None:
+        """The micro-batch failed after this hook accepted its step (an optimizer step or a later hook
+        raised): its step did not happen, so its values leave the statistics they entered."""
+        accepted, self._accepted_here = self._accepted_here, None
+        if accepted is None:
+            return
+        ctx, batch, evicted = accepted
+        if ctx.batch_count != batch:  # the accepted micro-batch completed; a later one failed before deciding
+            return
+        self._accepted -= 1
+        for stat, value in evicted:
+            stat.values.pop()
+            if value is not None:
+                stat.values.appendleft(value)
+            stat.recompute()
 
     def _grad_norm(self, ctx: TrainingContext) -> torch.Tensor:
         """The norm of the gradients as they were before any clipping hook of this micro-batch clipped them."""

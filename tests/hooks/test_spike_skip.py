@@ -354,3 +354,55 @@ def test_rolling_statistics_match_an_exact_computation() -> None:
         recent = torch.tensor(values[max(0, count - 50) : count], dtype=torch.float64)
         expected = (recent.mean() + 3.0 * recent.std(unbiased=False)).item() if count > 1 else math.inf
         assert stats.limit(3.0) == pytest.approx(expected, rel=1e-12), count
+
+
+class StepFailsWhen:
+    """An SGD factory whose step raises while ``failing`` is set (a transient failure after the decision)."""
+
+    def __init__(self) -> None:
+        self.failing = False
+
+    def __call__(self, params: Any) -> torch.optim.Optimizer:
+        owner = self
+
+        class Flaky(torch.optim.SGD):
+            def step(self, closure: Any = None) -> Any:
+                if owner.failing:
+                    raise RuntimeError("the optimizer step failed")
+                return super().step(closure)
+
+        return Flaky(params, lr=0.05)
+
+
+def test_a_step_that_fails_after_the_decision_leaves_the_statistics_as_they_were() -> None:
+    """Values of accepted steps only: a full window gets back the value the failed step's one evicted."""
+    hook = SpikeSkipHook(window=3, warmup_steps=2, threshold_sigmas=1e9)  # every finite step accepted
+    factory = StepFailsWhen()
+    strategy = nvtrain.TrainingStrategy(
+        models=make_model(), optimizers=factory, loss_fn=InjectingLoss(), hooks=[hook], device="cpu"
+    )
+    batches = make_batches(6)
+    for batch in batches[:4]:
+        strategy.train_batch(batch)
+    before = hook.state_dict()
+    assert len(before["loss_history"]) == 3 and before["accepted_steps"] == 4
+    factory.failing = True
+    with pytest.raises(RuntimeError, match="the optimizer step failed"):
+        strategy.train_batch(batches[4])
+    factory.failing = False
+    after = hook.state_dict()
+    assert after["loss_history"] == before["loss_history"] and after["norm_history"] == before["norm_history"]
+    assert after["accepted_steps"] == 4
+    strategy.train_batch(batches[5])  # and it goes on
+    assert hook.state_dict()["accepted_steps"] == 5
+
+
+def test_a_later_micro_batch_failing_before_the_decision_keeps_the_accepted_value() -> None:
+    hook = SpikeSkipHook(window=5, warmup_steps=2)
+    strategy = make_strategy([hook], InjectingLoss())
+    batches = make_batches(2)
+    strategy.train_batch(batches[0])
+    accepted = hook.state_dict()["loss_history"]
+    with pytest.raises(TypeError):
+        strategy.train_batch("not a batch")  # fails in the forward, before any decision
+    assert hook.state_dict()["loss_history"] == accepted and len(accepted) == 1
