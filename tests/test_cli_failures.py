@@ -747,3 +747,14 @@ def test_a_resume_lists_the_keys_a_filled_in_mapping_gained_not_the_mapping() ->
     assert [c.key for c in config_changes(saved, now, derives_horizon=False)] == ["model.kwargs.hidden"]
     assert [c.key for c in config_changes(now, saved, derives_horizon=False)] == ["model.kwargs.hidden"]
     assert [c.key for c in config_changes(saved, {"model": {}}, derives_horizon=False)] == ["model.kwargs"]
+
+
+def test_a_factory_refusal_quoting_a_value_is_placed_at_the_kwarg_in_the_file(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch says "Invalid learning rate: -1", not "lr": the one kwarg whose value it quotes is blamed."""
+    text = job.read_text(encoding="utf-8")
+    job.write_text(text + "optimizer: {factory: 'torch.optim:SGD', kwargs: {lr: -1, momentum: 0.9}}\n", encoding="utf-8")
+    assert main(["validate", str(job)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"{job}:" in err and ": optimizer.kwargs.lr: torch.optim:SGD: Invalid learning rate: -1" in err

@@ -190,6 +190,15 @@ def _blame(loaded: LoadedConfig, path: tuple[str | int, ...], message: str) -> t
     for key in kwargs:
         if re.search(rf"\b{re.escape(str(key))}\b", message):
             return (*path, "kwargs", key)
+    # torch names the value, not the key ("Invalid learning rate: -1"): the one kwarg whose value it quotes
+    quoted = [
+        key
+        for key, value in kwargs.items()
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool) and str(value)
+        and re.search(rf"(?<![\w.-]){re.escape(str(value))}(?![\w.])", message)
+    ]
+    if len(quoted) == 1:
+        return (*path, "kwargs", quoted[0])
     for key in kwargs:
         if loaded.locations.get((*path, "kwargs", key), "").startswith("--set"):
             return (*path, "kwargs", key)
