@@ -160,6 +160,10 @@ class TorchProfilerHook:
     traces: list[Path] = attrs.field(init=False, factory=list, repr=False)
     _session: contextlib.ExitStack | None = attrs.field(init=False, default=None, repr=False)
     _profiler: torch.profiler.profile | None = attrs.field(init=False, default=None, repr=False)
+    #: Micro-batches since the last trace was written; a trace the session's end would write with none
+    #: (a cycle opened after the last micro-batch, a run with nothing left to train) is not written.
+    _batches_since_trace: int = attrs.field(init=False, default=0, repr=False, on_setattr=attrs.setters.NO_OP)
+    _closing: bool = attrs.field(init=False, default=False, repr=False)
 
     @property
     def running(self) -> bool:
@@ -187,6 +191,7 @@ class TorchProfilerHook:
     def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
         """One profiler step per micro-batch: the schedule counts these."""
         if self._profiler is not None:
+            self._batches_since_trace += 1
             self._profiler.step()
 
     @nvtrain.hookimpl
@@ -198,7 +203,12 @@ class TorchProfilerHook:
         """Finish an open session (the strategy calls this on exit, also after an exception)."""
         session, self._session, self._profiler = self._session, None, None
         if session is not None:
-            session.close()
+            self._closing = True
+            try:
+                session.close()
+            finally:
+                self._closing = False
+                self._batches_since_trace = 0
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -223,6 +233,10 @@ class TorchProfilerHook:
         """``on_trace_ready``: export under a temporary name, then publish it with one rename."""
 
         def write(profiler: torch.profiler.profile) -> None:
+            empty = self._closing and self._batches_since_trace == 0
+            self._batches_since_trace = 0
+            if empty:  # the session ended inside a cycle no micro-batch reached: nothing to show
+                return
             final = trace_dir / f"rank_{rank}.{time.time_ns()}.pt.trace.json"
             partial = final.with_name(final.name + ".partial")
             try:

@@ -101,6 +101,21 @@ def test_bad_schedule_arguments_are_named(schedule: dict[str, Any], message: str
         TorchProfilerHook(schedule=schedule)
 
 
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events at the end of each cycle")
+@pytest.mark.filterwarnings("ignore:.*Profiler won't be using warmup")
+def test_no_trace_is_written_for_a_cycle_no_micro_batch_reached(tmp_path: Path) -> None:
+    """repeat=0 opens a new cycle after the last micro-batch; a second run() has nothing left to train."""
+    profiler = TorchProfilerHook(output_dir=tmp_path, activities=["cpu"], schedule={"active": 2})
+    with make_strategy([profiler]) as strategy:
+        strategy.run(make_batches(8))
+        assert len(trace_files(tmp_path)) == 4  # 8 micro-batches, cycles of 2: four traces, no fifth
+        strategy.run(make_batches(8))  # the epoch is done: nothing to train, no trace
+    files = trace_files(tmp_path)
+    assert len(files) == 4
+    for trace in files:
+        assert len({name for name in event_names(trace) if name.startswith("ProfilerStep#")}) == 2
+
+
 def test_profiler_is_finalised_after_an_exception(tmp_path: Path) -> None:
     calls = {"n": 0}
 
