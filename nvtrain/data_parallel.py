@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,7 @@ from torch.utils.data import (
 )
 
 from nvtrain.data_cursor import is_torchdata_class
-from nvtrain.distributed import TorchrunEnv, default_backend
+from nvtrain.distributed import TorchrunEnv, default_backend, dtensor_type
 from nvtrain.hookspecs import hookimpl
 from nvtrain.validators import FieldTypeError, FieldValueError, refused, satisfies
 
@@ -166,7 +165,7 @@ def _wrapped_for_data_parallel(model: torch.nn.Module) -> bool:
     """Already replicated or sharded by the caller (DDP, FSDP, DTensor parameters): synchronised on its own."""
     if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         return True
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    dtensor = dtensor_type()
     return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 

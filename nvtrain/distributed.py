@@ -38,7 +38,7 @@ if dist.is_available():
     # user creates a group, it binds None.
     import torch.distributed.nn
 
-__all__ = ["DeviceAssignmentError", "DistributedManager", "TorchrunEnv", "default_backend", "unwrap_model"]
+__all__ = ["DeviceAssignmentError", "DistributedManager", "TorchrunEnv", "default_backend", "dtensor_type", "unwrap_model"]
 
 
 class DeviceAssignmentError(RuntimeError):
@@ -471,6 +471,13 @@ class DistributedManager:
             f"DistributedManager(rank={state.rank}, local_rank={state.local_rank}, world_size={state.world_size}, "
             f"device={str(state.device)!r}, backend={state.backend!r}, initialized={state.initialized})"
         )
+
+
+def dtensor_type() -> type[torch.Tensor] | None:
+    """DTensor (FSDP's sharded tensors), when ``torch.distributed.tensor`` is loaded: without it no tensor is
+    one, and asking imports nothing, so plain models pay nothing."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:

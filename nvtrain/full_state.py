@@ -9,24 +9,16 @@ shards instead. :mod:`nvtrain.state` hands such states here.
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from nvtrain.distributed import unwrap_model
+from nvtrain.distributed import dtensor_type, unwrap_model
 from nvtrain.errors import ResumeError, first_line
 
 __all__ = ["full_into_sharded", "load_full_model", "load_full_optimizer"]
-
-
-def _dtensor_type() -> type[torch.Tensor] | None:
-    """DTensor, when torch.distributed.tensor is loaded: without it no parameter is one (and the check
-    imports nothing, so plain models pay nothing)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def full_into_sharded(live: Iterable[torch.Tensor], saved: Any) -> bool:
@@ -36,7 +28,7 @@ def full_into_sharded(live: Iterable[torch.Tensor], saved: Any) -> bool:
     ``load_state_dict`` cannot copy into DTensors. A sharded state holds plain scalars too
     (AdamW's ``step``): only a tensor of one dimension or more marks a full state.
     """
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     if dtensor is None or not any(isinstance(param, dtensor) for param in live):
         return False
     tensors = [leaf for leaf in tree_leaves(saved) if isinstance(leaf, torch.Tensor)]

@@ -51,7 +51,12 @@ def hook_label(hook: object) -> str:
 
 @runtime_checkable
 class CheckpointableHook(Protocol):
-    """A hook whose state must survive a resume (EMA weights, a loss scaler...)."""
+    """A hook whose state must survive a resume (EMA weights, a loss scaler...).
+
+    One that keeps its state elsewhere declares ``saves_state = False`` and is left out of
+    checkpoints (the accumulation ``run()`` adds for ``global_batch_size``: its windows are
+    the step scheduler's).
+    """
 
     def state_dict(self) -> dict[str, Any]: ...
 

@@ -49,6 +49,7 @@ def test_a_runs_metrics_config_and_plot_are_readable_by_others(tmp_path: Path) -
     from nvtrain.cli import main
 
     overrides = ["--set", f"output_dir={tmp_path}", "--set", "trainer.max_steps=2", "--set", "hooks=[]"]
+    overrides += ["--set", "device=cpu"]
     assert main(["train", *overrides, "--set", "logging.progress_bar=false"]) == 0
     run_dir = tmp_path / "digits"
     for name in ("config.yaml", "metrics.csv", "curves.png"):

@@ -236,16 +236,7 @@ def _check_saved_position(plan: Plan, built: Built, state: Mapping[str, Any] | N
     saved = state.get("scheduler") if state is not None else None
     if world != 1 or not isinstance(saved, Mapping):
         return
-    trainer, loader = plan.config.trainer, built.train_loader
-    local = loader_batch_size(loader) or 1
-    scheduler = trainer.create(
-        global_batch_size=trainer.global_batch_size or local * _accumulation(plan),
-        local_batch_size=local,
-        dp_size=1,
-        dataloader=loader,
-        preemption_signal=None,
-        synchronized_stream=bool(getattr(loader, "synchronized_stream", False)),
-    )
+    scheduler = _run_scheduler(plan.config, built.train_loader, built.train_loader, 1, _accumulation(plan))
     try:
         scheduler.load_state_dict(dict(saved))
     except ValueError as err:
@@ -263,7 +254,6 @@ def _run_bounds(
     plugin re-samples it); otherwise, under several ranks, the share is estimated as a
     DistributedSampler cuts it.
     """
-    trainer = config.trainer
     batches = _length(loader)
     local_batch = loader_batch_size(loader)  # its batch_sampler's for a DataLoader given batch_sampler=
     local = local_batch or 1
@@ -277,7 +267,17 @@ def _run_bounds(
         else:
             batches = math.ceil(batches / world)
         counted = _Share(batches)
-    scheduler = trainer.create(
+    scheduler = _run_scheduler(config, loader, counted, world, accumulation)
+    steps = scheduler.total_steps
+    return (max(1, steps) if steps is not None else None), scheduler.num_epochs
+
+
+def _run_scheduler(config: RunConfig, loader: Any, counted: Any, world: int, accumulation: int) -> Any:
+    """A step scheduler configured as the run's will be, reading ``counted`` (``loader``, or its estimated
+    share of one rank), to ask what the run's would answer."""
+    trainer = config.trainer
+    local = loader_batch_size(loader) or 1
+    return trainer.create(
         global_batch_size=trainer.global_batch_size or local * world * accumulation,
         local_batch_size=local,
         dp_size=world,
@@ -285,8 +285,6 @@ def _run_bounds(
         preemption_signal=None,
         synchronized_stream=bool(getattr(loader, "synchronized_stream", False)),
     )
-    steps = scheduler.total_steps
-    return (max(1, steps) if steps is not None else None), scheduler.num_epochs
 
 
 def _check_accumulation(plan: Plan, loader: Any, world: int) -> None:

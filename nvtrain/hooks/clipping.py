@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -11,6 +10,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from nvtrain.distributed import dtensor_type
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.stages import TrainingStage
 from nvtrain.stash import Stash, StashKey
@@ -65,7 +65,7 @@ def total_grad_norm(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     sharded = [g for g in grads if dtensor is not None and isinstance(g, dtensor)]
     if not sharded:
         return torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
@@ -107,12 +107,6 @@ def _sharded_max_norm(grads: list[Any], foreach: bool | None) -> torch.Tensor:
                 dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
         norms.append(norm)
     return norms[0] if len(norms) == 1 else torch.stack(norms).max()
-
-
-def _dtensor_type() -> type | None:
-    """DTensor, when torch.distributed.tensor is loaded (without it there are none; importing it costs time)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
 
 
 class OptimizerParameters:

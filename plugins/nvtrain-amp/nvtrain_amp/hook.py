@@ -260,10 +260,13 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         """Unscale the optimizers that have gradients (an optimizer without any has nothing to check and is
         stepped as in fp32, see :meth:`step_optimizer`); an inf/NaN in any of them skips them all."""
         unscaled = tuple(optimizer for optimizer in optimizers if _has_gradients(optimizer))
-        for index, optimizer in enumerate(unscaled):
-            scaler.unscale_(optimizer)
-            # at once, not after the loop: one that raises on the next still leaves these due an update()
-            self._unscaled = unscaled[: index + 1]
+        done = 0
+        try:
+            for optimizer in unscaled:
+                scaler.unscale_(optimizer)
+                done += 1
+        finally:  # also when one raises: those unscaled before it are due an update()
+            self._unscaled = unscaled if done == len(unscaled) else unscaled[:done]
         if len(unscaled) > 1:
             _skip_together(scaler, unscaled)
         self._batch_stepped = None

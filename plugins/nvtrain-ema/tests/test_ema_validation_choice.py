@@ -61,9 +61,10 @@ def test_a_state_key_no_hook_has_is_refused_naming_the_keys() -> None:
 
 def test_a_config_names_the_average_to_validate(capsys: pytest.CaptureFixture[str]) -> None:
     two = "hooks=[{name: ema, decay: 0.5, state_key: fast}, {name: ema, decay: 0.9, state_key: slow}]"
-    assert main(["validate", "--set", two]) == 2
+    two_on_cpu = [two, "--set", "device=cpu"]
+    assert main(["validate", "--set", *two_on_cpu]) == 2
     err = capsys.readouterr().err
     assert "validation.use_ema: use_ema: auto, but 2 EMA hooks average model 'main'" in err
-    assert main(["validate", "--set", two, "--set", "validation.use_ema=slow"]) == 0
-    assert main(["validate", "--set", two, "--set", "validation.use_ema=medium"]) == 2
+    assert main(["validate", "--set", *two_on_cpu, "--set", "validation.use_ema=slow"]) == 0
+    assert main(["validate", "--set", *two_on_cpu, "--set", "validation.use_ema=medium"]) == 2
     assert "use_ema='medium' names no EMA hook" in capsys.readouterr().err
