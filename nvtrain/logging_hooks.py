@@ -94,11 +94,76 @@ def _format(value: float) -> str:
     return f"{value:.6g}"
 
 
+# -- run end, shared by the three loggers -----------------------------------------------------------
+
+
+class _RunEndOutput:
+    """How every logger ends a run: the steps after its last logging step reach the output once.
+
+    A run that returns fires AFTER_TRAINING; one ended by an exception leaves ``close()`` to the
+    strategy. Either way the unlogged steps are shown or written (``_emit``), then the output is
+    finished (``_end_output``). A subclass has the fields ``_reader``, ``_active``, ``_running``
+    and ``state_key``.
+    """
+
+    __slots__ = ("_active", "_reader", "_running")
+
+    _reader: StepLogReader
+    #: Rank 0 once a run started (False before any run): whether this process shows or writes anything.
+    _active: bool
+    #: Between BEFORE_TRAINING and AFTER_TRAINING: a close() now is a run ended by an exception.
+    _running: bool
+    state_key: str | None
+
+    @hookimpl
+    def after_training(self, ctx: TrainingContext) -> None:
+        """Emit the steps since the last logging step (a run stopped at a validation), then finish the output."""
+        self._running = False
+        try:
+            record = self._reader.finish()
+            if record is not None and self._active:
+                self._emit(record)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Finish the output (idempotent); for a run ended by an exception, emit its unlogged last steps first."""
+        try:
+            if self._running:
+                self._running = False
+                record = self._reader.abandon()
+                if record is not None and self._active:
+                    self._emit(record)
+        finally:
+            self._end_output()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The smoothing state of the window's loss, so a resumed run shows and writes what the straight run does."""
+        return self._reader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load_reader_state(self._reader, state, self, self.state_key)
+
+    def _emit(self, record: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def _end_output(self) -> None:
+        raise NotImplementedError
+
+
+def _load_reader_state(reader: StepLogReader, state: Mapping[str, Any], hook: object, key: str | None) -> None:
+    try:
+        reader.load_state_dict(state)
+    except ValueError as err:
+        name = type(hook).__name__ + (f"(state_key={key!r})" if key is not None else "")
+        raise ValueError(f"{name}: {err}") from None
+
+
 # -- progress ------------------------------------------------------------------------------------
 
 
 @attrs.define(eq=False)
-class ProgressBarHook:
+class ProgressBarHook(_RunEndOutput):
     """A tqdm bar (epoch, step, smoothed loss, samples/s) on a terminal; log lines otherwise.
 
     The bar advances once per optimizer step (host counters only) and redraws at
@@ -231,16 +296,8 @@ class ProgressBarHook:
         else:
             self._line(record, smoothed=None)
 
-    @hookimpl
-    def after_training(self, ctx: TrainingContext) -> None:
-        """Show the steps since the last logging step (a run stopped at a validation), then finish the bar."""
-        self._running = False
-        try:
-            record = self._reader.finish()
-            if record is not None and self._active:
-                self._show(record, refresh=True)
-        finally:
-            self.close()
+    def _emit(self, record: dict[str, float]) -> None:
+        self._show(record, refresh=True)
 
     def _line(self, record: dict[str, float], smoothed: float | None) -> None:
         total = f"/{self._total}" if self._total is not None else ""
@@ -271,25 +328,10 @@ class ProgressBarHook:
                 text = candidate
         return text
 
-    def close(self) -> None:
-        """Finish the bar (idempotent); for a run ended by an exception, show its unlogged last steps first."""
-        try:
-            if self._running:
-                self._running = False
-                record = self._reader.abandon()
-                if record is not None and self._active:
-                    self._show(record, refresh=True)
-        finally:
-            bar, self._bar = self._bar, None
-            if bar is not None:
-                bar.close()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The smoothed loss's state, so a resumed run's bar shows what the straight run's does."""
-        return self._reader.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _load_reader_state(self._reader, state, self, self.state_key)
+    def _end_output(self) -> None:
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()
 
 
 _BAR_FORMAT = "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}"
@@ -335,7 +377,7 @@ def _is_terminal(stream: TextIO) -> bool:
 # -- step-record loggers ---------------------------------------------------------------------------
 
 
-class _StepRecordLogger:
+class _StepRecordLogger(_RunEndOutput):
     """The observer side shared by the file loggers: rank 0 writes a record per logging step and validation.
 
     A subclass is an attrs class with the fields ``_reader`` (a :class:`StepLogReader`),
@@ -350,18 +392,12 @@ class _StepRecordLogger:
     is no file of this strategy to add to): appended to what the file holds, never trimming it.
     """
 
-    __slots__ = ("_active", "_reader", "_running", "_start_step", "_trim")
+    __slots__ = ("_start_step", "_trim")
 
-    _reader: StepLogReader
-    #: Rank 0 once a run started (False before any run): whether validations are written.
-    _active: bool
-    #: Between BEFORE_TRAINING and AFTER_TRAINING: a close() now is a run ended by an exception.
-    _running: bool
     _start_step: int | None
     #: From BEFORE_TRAINING until the run opens its file: that open drops what an earlier run wrote after
     #: the start step (all of it for a fresh run). An open outside a run appends.
     _trim: bool
-    state_key: str | None
 
     @hookimpl
     def before_training(self, ctx: TrainingContext) -> None:
@@ -398,49 +434,18 @@ class _StepRecordLogger:
             self._begin(ctx)
         self._write(self._reader.read_validation(ctx))
 
-    @hookimpl
-    def after_training(self, ctx: TrainingContext) -> None:
-        """Write the steps since the last logging step (a run stopped at a validation), then release the file."""
-        self._running = False
-        try:
-            record = self._reader.finish()
-            if record is not None and self._active:
-                self._write(record)
-        finally:
-            self.close()
+    def _emit(self, record: dict[str, float]) -> None:
+        self._write(record)
 
-    def close(self) -> None:
-        """Release the file (idempotent); for a run ended by an exception, write its unlogged last steps first."""
-        try:
-            if self._running:
-                self._running = False
-                record = self._reader.abandon()
-                if record is not None and self._active:
-                    self._write(record)
-        finally:
-            self._trim = False  # the run is over: a later validate() appends
-            self._release()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The smoothing state of ``train_loss_avg``, so a resumed run writes what the straight run does."""
-        return self._reader.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _load_reader_state(self._reader, state, self, self.state_key)
+    def _end_output(self) -> None:
+        self._trim = False  # the run is over: a later validate() appends
+        self._release()
 
     def _write(self, record: dict[str, float]) -> None:
         raise NotImplementedError
 
     def _release(self) -> None:
         raise NotImplementedError
-
-
-def _load_reader_state(reader: StepLogReader, state: Mapping[str, Any], hook: object, key: str | None) -> None:
-    try:
-        reader.load_state_dict(state)
-    except ValueError as err:
-        name = type(hook).__name__ + (f"(state_key={key!r})" if key is not None else "")
-        raise ValueError(f"{name}: {err}") from None
 
 
 # -- CSV -------------------------------------------------------------------------------------------
