@@ -96,6 +96,9 @@ class TrainingUpdateOrchestrator:
         self._gradients_used_by: TrainingUpdateHook | None = None
         #: The update hook that vetoed zeroing at the current BEFORE_BATCH (None: none did).
         self._zeroing_vetoed_by: TrainingUpdateHook | None = None
+        #: ``ctx.batch_count`` of the micro-batch at which an optimizer last stepped (-1: none yet). A failure
+        #: after the step (a DO_OPTIMIZER_STEP wrapper raising after its ``yield``) must still count it.
+        self.stepped_at_batch = -1
 
     # -- composition ---------------------------------------------------------
 
@@ -245,6 +248,7 @@ class TrainingUpdateOrchestrator:
                         )
                 if this_stepped:
                     stepped = True
+                    self.stepped_at_batch = ctx.batch_count
                     for scheduler in schedulers:
                         scheduler.step()
         ctx.step_skipped = not stepped

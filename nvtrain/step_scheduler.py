@@ -382,6 +382,17 @@ class StepScheduler:
             self.step += 1
         return self._close(stepped)
 
+    def close_failed_step(self) -> None:
+        """Close the open window of a step that was taken before something raised: count it and record its
+        data as consumed, so a later run does not take it again. Polls nothing: a failing rank must not
+        start a collective the others may never join."""
+        if not self._open or self._window is None:
+            return
+        if self._provisional:
+            self._revert_provisional()
+        self.step += 1
+        self._close(True, poll=False)
+
     def _count_provisionally(self) -> None:
         """Seed semantics while a window is open: it counts as a step, and the predicates describe it."""
         self.step += 1
@@ -407,8 +418,8 @@ class StepScheduler:
             and (self.synchronized_stream or (self.epoch_limit is not None and self.epoch + 1 >= self.epoch_limit))
         )
 
-    def _close(self, stepped: bool) -> bool:
-        """The step boundary: record the window's data as consumed and poll preemption once."""
+    def _close(self, stepped: bool, poll: bool = True) -> bool:
+        """The step boundary: record the window's data as consumed and poll preemption once (unless not ``poll``)."""
         self._provisional = False
         self._open = False
         self.consecutive_skipped_steps = 0 if stepped else self.consecutive_skipped_steps + 1
@@ -416,7 +427,8 @@ class StepScheduler:
         self._epoch_done = self._window_is_last
         if self._window_is_last and self.synchronized_stream:
             self.stream_exhausted = True  # a synchronized stream is read once: its end is the end of training
-        self._watcher.poll()
+        if poll:
+            self._watcher.poll()
         stop_agreed = self._watcher.stop_reason is not None  # a stop request makes this the last step
         last = stop_agreed or self._reaches_the_end()
         self._boundary = _BOUNDARIES[stepped, self._window_is_last, bool(last)]

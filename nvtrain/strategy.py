@@ -555,7 +555,11 @@ class TrainingStrategy:
         ctx.stage = _BEFORE_OPTIMIZER_STEP
         bus.before_optimizer_step(ctx)
         ctx.stage = _DO_OPTIMIZER_STEP
-        bus.do_optimizer_step(ctx)
+        try:
+            bus.do_optimizer_step(ctx)
+        except BaseException:
+            self._keep_a_taken_step(boundary)
+            raise
         ctx.batch_count += 1
         ctx.epoch_step_count += 1
         if not ctx.step_skipped:
@@ -568,6 +572,20 @@ class TrainingStrategy:
         bus.after_optimizer_step(ctx)
         ctx.stage = _AFTER_BATCH
         bus.after_batch(ctx)
+
+    def _keep_a_taken_step(self, boundary: StepScheduler | None) -> None:
+        """DO_OPTIMIZER_STEP raised after the optimizers stepped (a wrapper, after its ``yield``): that step
+        happened, so it is counted and its window closed; a later ``run()`` must not take it again."""
+        ctx = self.ctx
+        if self.registry.orchestrator.stepped_at_batch != ctx.batch_count:
+            return  # it raised before any optimizer stepped: the window is replayed whole
+        ctx.step_skipped = False
+        ctx.batch_count += 1
+        ctx.epoch_step_count += 1
+        ctx.step_count += 1
+        ctx.global_step_count += ctx.world_size
+        if boundary is not None:
+            boundary.close_failed_step()
 
     def _forward(self, ctx: TrainingContext) -> Any:
         forward_fn = self.forward_fn
@@ -796,9 +814,11 @@ class TrainingStrategy:
         if device.type == "cuda":
             devices = [device.index if device.index is not None else torch.cuda.current_device()]
         host = capture_host_rng()  # a validation set that augments with numpy or random must not move them either
-        with torch.random.fork_rng(devices=devices):
-            self._evaluate(None)
-        apply_host_rng(host)
+        try:
+            with torch.random.fork_rng(devices=devices):
+                self._evaluate(None)
+        finally:  # also when the validation raised: a later run() trains on the streams it left
+            apply_host_rng(host)
         self._after_validation()
         self.ctx.validation_follows = False
 

@@ -115,3 +115,37 @@ def test_validating_with_host_rng_augmentation_leaves_training_unchanged() -> No
     plain, validated = trained(False), trained(True)
     for name, value in plain.items():
         assert torch.equal(validated[name], value), name
+
+
+class FailsAfterDrawing:
+    """Validation data that draws from both host streams, then raises on its second batch."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        random.random(), np.random.rand()
+        yield torch.zeros(BATCH, 3), torch.zeros(BATCH, 2)
+        random.random(), np.random.rand()
+        raise RuntimeError("validation data failed")
+
+
+class RecordsHostStreams:
+    """The host streams at each AFTER_BATCH: what a validation right after must leave as it found."""
+
+    def __init__(self) -> None:
+        self.streams: tuple[Any, Any] | None = None
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        self.streams = random.getstate(), np.random.get_state()
+
+
+def test_a_validation_that_raises_leaves_the_host_streams_as_training_had_them() -> None:
+    recorder = RecordsHostStreams()
+    validation = nvtrain.ValidationConfig(data=FailsAfterDrawing(), every_n_steps=1)
+    strategy = make_strategy([recorder], STEPS, validation=validation)
+    random.seed(1), np.random.seed(1)
+    with strategy, pytest.raises(RuntimeError, match="validation data failed"):
+        strategy.run(DataLoader(HostAugmented("python"), batch_size=BATCH))
+    assert recorder.streams is not None
+    assert random.getstate() == recorder.streams[0]
+    expected = recorder.streams[1]
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), expected, strict=True))
