@@ -241,6 +241,11 @@ class StageTimingHook:
     # -- flushing ---------------------------------------------------------------------------
 
     @hookimpl
+    def before_training(self, ctx: TrainingContext) -> None:
+        """Drop the interval a run that raised left open: the time until this run is no stage's."""
+        self._drop_interval()
+
+    @hookimpl
     def after_epoch(self, ctx: TrainingContext) -> None:
         """Do not let an interval span the epoch boundary."""
         self._drop_interval()

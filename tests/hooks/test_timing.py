@@ -291,3 +291,35 @@ def test_rows_count_micro_batches_under_accumulation(tmp_path: Path) -> None:
     strategy.run(make_batches(8))
     assert strategy.ctx.step_count == 2
     assert hook.report()["DO_OPTIMIZER_STEP"]["count"] == 8
+
+
+class FailsOnceAfterLoss:
+    fired = False
+
+    @nvtrain.hookimpl
+    def after_loss(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.batch_count == 2 and not self.fired:
+            self.fired = True
+            raise RuntimeError("transient")
+
+
+def test_the_time_between_a_failed_run_and_the_next_is_no_stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that raised inside AFTER_LOSS left that stage's interval open; the next run drops it rather than
+    count the pause between the runs (a fake clock: one microsecond a reading, an hour between the runs)."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1e-6
+        return now[0]
+
+    monkeypatch.setattr(time, "perf_counter", clock)
+    hook = StageTimingHook(output=tmp_path / "timing.csv")
+    strategy, data = make_strategy([hook, FailsOnceAfterLoss()], num_epochs=1), make_batches(6)
+    with strategy:
+        with pytest.raises(RuntimeError, match="transient"):
+            strategy.run(data)
+        now[0] += 3600.0
+        strategy.run(data)
+    report = hook.report()
+    assert report["AFTER_LOSS"]["count"] == 6  # two before the failure, four after it: the open one dropped
+    assert max(stats["p95_ms"] for stats in report.values() if stats["count"]) < 1.0
