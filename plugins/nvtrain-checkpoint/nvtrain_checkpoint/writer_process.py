@@ -90,12 +90,15 @@ class WriterProcess:
         ours, theirs = socket.socketpair()
         environment = dict(os.environ)
         # The writer imports this very nvtrain_checkpoint, never touches a GPU, and needs no thread pool.
-        environment["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
+        # It sees the modules this process sees, in the same order ('' is this process's working
+        # directory); -P keeps `python -c` from putting the working directory first on top of
+        # that, where a user's json.py or enum.py would shadow the standard library's.
+        environment["PYTHONPATH"] = os.pathsep.join(entry or os.getcwd() for entry in sys.path)
         environment["CUDA_VISIBLE_DEVICES"] = ""
         environment["OMP_NUM_THREADS"] = "1"
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-c", _ENTRY, str(theirs.fileno())],
+                [sys.executable, "-P", "-c", _ENTRY, str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 env=environment,
                 stdin=subprocess.DEVNULL,

@@ -326,3 +326,21 @@ def test_a_cuda_run_saves_through_the_writer_process_from_a_page_locked_arena(
     saved = storage.read_checkpoint(tmp_path)
     assert saved["counters"]["step_count"] == 18
     driver.assert_same(final, saved["models"]["main"])
+
+
+def test_a_module_in_the_working_directory_does_not_shadow_the_writers_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training script started elsewhere, run from a folder holding a json.py and an enum.py: the writer
+    process imports the standard library's, as the training process does (they were first on its path)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    for name in ("json", "enum"):
+        (cwd / f"{name}.py").write_text(f"raise ImportError('the working directory {name}.py was imported')\n")
+    monkeypatch.chdir(cwd)
+    writer, stager = WriterProcess(), Stager()
+    try:
+        writer.save(stager.stage({"w": torch.ones(2)}), tmp_path / "checkpoints", 1, {}, None)
+    finally:
+        writer.close()
+    assert [info.step for info in list_checkpoints(tmp_path / "checkpoints")] == [1]
