@@ -155,7 +155,9 @@ class StepLogReader:
         if ctx is None or not self._unrecorded:
             return None
         epoch = self._last_epoch
-        if step is None:  # only skipped micro-batches: the step the run is at
+        if step is None or ctx.step_count > step:
+            # only skipped micro-batches, or a step this reader never saw end (a hook before it raised at
+            # AFTER_OPTIMIZER_STEP or AFTER_BATCH): the step the run is at, not one already written
             step, epoch = ctx.step_count, ctx.epoch
         self._last_logged = step
         return self._read(ctx, step, epoch, close_window=False, strict=strict)

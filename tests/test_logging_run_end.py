@@ -322,3 +322,31 @@ def test_step_time_covers_the_windows_steps_across_a_validation_and_the_row_of_a
     assert stop[0] < 1.0 / 2  # steps 5 and 6, without the validations of steps 4 and 6
     for step_time, samples_per_s in (first, stop):
         assert step_time * samples_per_s == pytest.approx(4, rel=1e-3)  # 4 samples per step
+
+
+class FailsAfterAStep:
+    """Raises at AFTER_BATCH of step ``step``'s last micro-batch: the optimizer stepped, the loggers (priority 90)
+    never see that micro-batch."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.step_count == self.step and ctx.sync_gradients:
+            raise RuntimeError(f"a hook failed after step {self.step}")
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_step_whose_logging_stage_never_ran_is_written_under_its_own_number(tmp_path: Path, accumulate: int) -> None:
+    """The last row is step 3's (the step that happened), not a second row of step 2 holding step 3's losses."""
+    _, _, stream, hooks = loggers(tmp_path, every=1)
+    accumulation = [nvtrain.hooks.GradientAccumulationHook(steps=accumulate)] if accumulate > 1 else []
+    strategy = make([*accumulation, FailsAfterAStep(3), *hooks], max_steps=10, every_n_steps=100)
+    with pytest.raises(RuntimeError, match="failed after step 3"), strategy:
+        strategy.run(batches(40))
+    steps = [row["step"] for row in training_rows(tmp_path / "metrics.csv")]
+    assert steps == (["1", "2", "3"] if accumulate > 1 else ["1", "2"])  # accumulating: step 3's first micro-batch
+    assert progress_steps(stream) == [f"step {step}/10" for step in steps]
+    if tensorboard_available():
+        assert tensorboard_steps(tmp_path / "tb") == [int(step) for step in steps]
