@@ -210,6 +210,9 @@ class TrainingStrategy:
     _schedules: tuple[ScheduledLR, ...] = attrs.field(init=False, default=())
     #: What the last run read from, released when this strategy is collected unclosed (see run_release).
     _live_data: LiveData = attrs.field(init=False, factory=LiveData)
+    #: The epoch whose end work (validation, per-epoch LR step, AFTER_EPOCH) is under way; still set when it
+    #: raised, so the next run() can say that it does not redo it.
+    _epoch_end_interrupted: int | None = attrs.field(init=False, default=None)
 
     @loss_fn.validator
     def _check_loss_fn(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -324,6 +327,7 @@ class TrainingStrategy:
                 ctx.stage = _BEFORE_TRAINING
                 bus.before_training(ctx)
                 self._follow_scheduler(scheduler)
+                self._warn_interrupted_epoch_end(scheduler)
                 if scheduler.validation_owed:
                     self._validate_owed(scheduler)
                 for epoch in scheduler.epochs:
@@ -387,6 +391,8 @@ class TrainingStrategy:
         # a completed epoch's end saves first (the grace period is for saving) and owes the validation to
         # the resumed run; at the run's last step there is nothing to resume, so it validates now.
         epoch_completed = scheduler.epoch > epoch
+        if epoch_completed:
+            self._epoch_end_interrupted = epoch
         # a stop request at the run's own last step (max_steps) cuts nothing short
         stopped_early = scheduler.stop_reason is not None and not epoch_completed and not scheduler.reaches_the_end
         if not stopped_early and validated_at != ctx.step_count and self._epoch_end_validates(scheduler):
@@ -398,7 +404,24 @@ class TrainingStrategy:
             self._step_schedules("epoch")
         ctx.stage = _AFTER_EPOCH
         bus.after_epoch(ctx)
+        self._epoch_end_interrupted = None
         ctx.epoch = scheduler.epoch  # advanced only when the epoch's data was used up
+
+    def _warn_interrupted_epoch_end(self, scheduler: StepScheduler) -> None:
+        """The last run() raised during an epoch's end work, and this one goes on from the next epoch: what that
+        end had left (its validation, its per-epoch LR step, AFTER_EPOCH and the checkpoint saved there) is
+        not done again. Said once; a resume from a checkpoint (another position) is not concerned."""
+        epoch, self._epoch_end_interrupted = self._epoch_end_interrupted, None
+        if epoch is None or scheduler.epoch != epoch + 1 or scheduler.position != 0:
+            return
+        warnings.warn(
+            f"TrainingStrategy.run(): the last run raised during the end of epoch {epoch + 1} (its validation, "
+            "per-epoch LR step or AFTER_EPOCH); this run starts epoch "
+            f"{epoch + 2} without doing again what that end had left. Resume from the last checkpoint for a run "
+            "that equals one that never failed",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _build_scheduler(self, loader: Any) -> StepScheduler:
         """The run's scheduler: its configuration, the run bounds, accumulation and where to start."""
