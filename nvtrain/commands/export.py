@@ -19,7 +19,9 @@ one, or no such model or average.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -48,9 +50,21 @@ def run(args: argparse.Namespace) -> int:
     except (ImportError, ResumeError, ValueError) as err:  # a CheckpointError is a ResumeError
         print(f"nvtrain export: error: {' '.join(str(err).split())}", file=sys.stderr)
         return EXIT_USAGE
-    except OSError as err:  # the output could not be written (a full disk, no permission): nothing was replaced
-        print(f"nvtrain export: error: cannot write {args.output}: {err}", file=sys.stderr)
+    except OSError as err:
+        if _about_the_output(err, args.output):  # a full disk, no permission: nothing was replaced
+            print(f"nvtrain export: error: cannot write {args.output}: {err}", file=sys.stderr)
+        else:  # reading the checkpoint failed below what its checks name
+            print(f"nvtrain export: error: cannot read {args.checkpoint}: {err}", file=sys.stderr)
         return EXIT_FAILURE
     what = "the EMA average" if ema else "the weights"
     print(f"wrote {written} ({what}, {written.stat().st_size / 1e6:.1f} MB)")
     return EXIT_OK
+
+
+def _about_the_output(err: OSError, output: str) -> bool:
+    """Whether ``err`` is about writing ``output``: the file, the temporary file beside it, or a folder on its way."""
+    if err.filename is None:
+        return True
+    target = Path(output).absolute()
+    failed = Path(os.fsdecode(err.filename)).absolute()
+    return target.is_relative_to(failed) or failed.parent == target.parent

@@ -82,6 +82,8 @@ CORRUPT_PREFIX = ".corrupt-"
 REPLACED_PREFIX = ".replaced-"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _REPLACED_DIR = re.compile(r"^\.replaced-(step_\d+)-[0-9a-f]+$")
+#: The most bytes a `latest` pointer is read for: a step_<N> name and its newline fit many times over.
+_POINTER_LIMIT = 256
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -162,7 +164,11 @@ def save_checkpoint(
             raise OSError(full.errno, full.strerror or "No space left on device", str(root / name)) from err
         raise
     final = publish(tmp, root / name)
-    write_latest(root, name)
+    try:
+        write_latest(root, name)
+    except OSError as err:  # a full disk now: the checkpoint is complete, only the pointer did not move
+        err.add_note(f"while pointing {root / LATEST_NAME} at {final}, which is published and complete")
+        raise
     set_aside(root, set(passed_over) - {name})
     apply_retention(root, keep_last_n, discard=discard)
     return final
@@ -208,12 +214,15 @@ def publish(tmp: Path, final: Path) -> Path:
     A same-named checkpoint is first parked under a ``.replaced-`` name, which the readers
     take for it while its name is free: a kill between the two renames loses neither.
     """
-    if final.exists():
+    if final.exists() or final.is_symlink():
         parked = final.parent / f"{REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex}"
         os.rename(final, parked)
         os.rename(tmp, final)
         fsync_dir(final.parent)
-        shutil.rmtree(parked)
+        if parked.is_dir() and not parked.is_symlink():
+            shutil.rmtree(parked)
+        else:  # a file (or link) squatting on the checkpoint's name
+            parked.unlink()
     else:
         os.rename(tmp, final)
         fsync_dir(final.parent)
@@ -292,7 +301,7 @@ def set_aside(root: Path, corrupt: Collection[str]) -> list[Path]:
 
 def apply_retention(root: Path, keep_last_n: int | None, *, discard: Discard = delete_trash) -> list[Path]:
     """Keep the ``keep_last_n`` complete checkpoints with the highest steps, the one ``latest`` names, and
-    the newest healthy one (its step's loss was finite) when none of those is healthy; return the others.
+    the newest healthy one (its step's loss was finite) up to that one when none of those is; return the others.
 
     A run whose loss turned NaN keeps saving unhealthy checkpoints; without the healthy
     rule they would rotate the last good one out. The dropped checkpoints are renamed out
@@ -304,8 +313,12 @@ def apply_retention(root: Path, keep_last_n: int | None, *, discard: Discard = d
     complete = list_checkpoints(root)
     pointed = _read_pointer(root)
     kept = complete[-keep_last_n:]
-    if not any(is_healthy(info.path) for info in kept):
-        healthy = [info for info in complete if is_healthy(info.path)]
+    # The run's own timeline: up to the checkpoint latest names (the one just saved). A higher step left by an
+    # earlier run (a resume from an older checkpoint, another step cadence) is no healthy stand-in for it.
+    last = checkpoint_step(Path(pointed)) if pointed is not None else None
+    own = [info for info in complete if last is None or info.step <= last]
+    if not any(is_healthy(info.path) for info in kept if info in own):
+        healthy = [info for info in own if is_healthy(info.path)]
         if healthy:
             kept = [healthy[-1], *kept]
     keep = {info.path.name for info in kept}
@@ -403,11 +416,21 @@ def verify_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _read_pointer(root: Path) -> str | None:
+    """The ``step_<N>`` name ``latest`` holds; None when there is none to read (missing, unreadable, not
+    text, not a file, not a checkpoint name): the readers then fall back to the highest complete step."""
+    pointer = root / LATEST_NAME
     try:
-        name = (root / LATEST_NAME).read_text(encoding="utf-8").strip()
+        with open(pointer, "rb") as file:
+            raw = file.read(_POINTER_LIMIT + 1)
+        name = raw.decode("utf-8").strip()
     except FileNotFoundError:
         return None
-    return name if _STEP_DIR.match(name) else None
+    except (OSError, UnicodeDecodeError) as err:
+        warnings.warn(f"{pointer} cannot be read ({err}); taking the highest complete step_<N> instead", stacklevel=2)
+        return None
+    if len(raw) > _POINTER_LIMIT or not _STEP_DIR.fullmatch(name):
+        return None
+    return name
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
@@ -470,6 +493,8 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{file} does not exist: {directory} is not a complete checkpoint") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{file} is not a valid manifest (not JSON: {err})") from None
+    except OSError as err:  # unreadable (permissions), a directory in its place, an I/O error
+        raise CheckpointError(f"{file} cannot be read: {err.strerror or err}") from None
     if not isinstance(manifest, dict) or "format_version" not in manifest:
         raise CheckpointError(f"{file} is not an nvtrain checkpoint manifest (no format_version)")
     version = manifest["format_version"]
@@ -478,6 +503,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
             f"{file}: checkpoint format {version!r} is not supported by this nvtrain-checkpoint "
             f"(it reads format {FORMAT_VERSION}); install the version that wrote it"
         )
+    _check_manifest_step(file, manifest.get("step"))
     files = manifest.get("files")
     if not isinstance(files, dict) or STATE_NAME not in files:
         raise CheckpointError(f"{file} does not list {STATE_NAME} with its size and sha256")
@@ -491,6 +517,21 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
+def _check_manifest_step(file: Path, step: Any) -> None:
+    """The manifest's ``step`` is what a resume trains on from: an int, and the one its directory is named by
+    (a directory of another name, such as a copy, is not checked against its name)."""
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"{file}: 'step' must be the checkpoint's step, an int >= 0 (got {step!r})")
+    directory = file.parent
+    if _STEP_DIR.match(directory.name) or _REPLACED_DIR.match(directory.name):
+        named = checkpoint_step(directory)
+        if named != step:
+            raise CheckpointError(
+                f"{file} records step {step}, but its directory is {directory.name}: the manifest was modified or "
+                "belongs to another checkpoint"
+            )
+
+
 def read_checkpoint_manifest(path: str | os.PathLike[str], rank: int | None = None) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path`` (a ``step_<N>`` directory or a checkpoint root)."""
     return read_manifest(resolve_checkpoint(path, rank))
@@ -502,12 +543,20 @@ def verify_file(path: Path, entry: Mapping[str, Any]) -> None:
         size = path.stat().st_size
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing although the manifest lists it") from None
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read: {err.strerror or err}") from None
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a file although the manifest lists it as one")
     if size != entry["size"]:
         raise CheckpointError(
             f"{path} is {size} bytes but the manifest recorded {entry['size']}: the file is truncated or was "
             "modified after the checkpoint was written"
         )
-    if file_digest(path)["sha256"] != entry["sha256"]:
+    try:
+        digest = file_digest(path)["sha256"]
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read: {err.strerror or err}") from None
+    if digest != entry["sha256"]:
         raise CheckpointError(f"{path} does not match the sha256 in its manifest: the file is corrupt")
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,16 @@ from nvtrain_checkpoint import (
     read_checkpoint,
     read_manifest,
     save_checkpoint,
+    storage,
 )
-from nvtrain_checkpoint.storage import MANIFEST_NAME, STATE_NAME, apply_retention, delete_trash, write_latest
+from nvtrain_checkpoint.storage import (
+    MANIFEST_NAME,
+    STATE_NAME,
+    apply_retention,
+    delete_trash,
+    verify_checkpoint,
+    write_latest,
+)
 
 import nvtrain
 
@@ -251,11 +260,16 @@ def test_a_state_file_that_is_not_a_torch_file_is_refused(tmp_path: Path) -> Non
         ("{not json", r"manifest.json is not a valid manifest \(not JSON"),
         ('{"hello": 1}', r"manifest.json is not an nvtrain checkpoint manifest"),
         ('{"format_version": 99}', r"checkpoint format 99 is not supported"),
-        ('{"format_version": 1, "files": {}}', r"does not list state.pt with its size and sha256"),
+        ('{"format_version": 1, "step": 1, "files": {}}', r"does not list state.pt with its size and sha256"),
         (
-            '{"format_version": 1, "files": {"state.pt": {"size": 1, "sha256": "0"}, "sharded/__0_0.distcp": {}}}',
+            '{"format_version": 1, "step": 1, "files": {"state.pt": {"size": 1, "sha256": "0"}, '
+            '"sharded/__0_0.distcp": {}}}',
             r"does not list sharded/__0_0.distcp with its size and sha256 \(it has \{\}\)",
         ),
+        ('{"format_version": 1, "files": {}}', r"'step' must be the checkpoint's step, an int >= 0 \(got None\)"),
+        ('{"format_version": 1, "step": "1", "files": {}}', r"'step' must be .* \(got '1'\)"),
+        ('{"format_version": 1, "step": true, "files": {}}', r"'step' must be .* \(got True\)"),
+        ('{"format_version": 1, "step": 2, "files": {}}', r"records step 2, but its directory is step_1"),
     ],
 )
 def test_bad_manifests_are_refused(tmp_path: Path, content: str, message: str) -> None:
@@ -430,3 +444,75 @@ def test_auto_resume_refuses_when_no_checkpoint_is_intact(tmp_path: Path) -> Non
     (tmp_path / "step_1" / STATE_NAME).write_bytes(b"PK\x03\x04 garbage")
     with pytest.raises(CheckpointError, match=r"no intact checkpoint in .* to resume from: .*step_1"):
         CheckpointHook(tmp_path, resume="auto").resume_checkpoint()
+
+
+def test_a_healthy_checkpoint_above_the_runs_own_does_not_stand_in_for_the_last_good_one(tmp_path: Path) -> None:
+    """A run resumed from step_12 while an earlier run's healthy step_18 is still there (latest not moved by a
+    kill, or an explicit resume path): its NaN saves keep step_12, not the stale step_18, as the healthy one."""
+    for step in (6, 12, 18):
+        _save(tmp_path, step, healthy=True)
+    write_latest(tmp_path, "step_12")  # the resume point
+    _save(tmp_path, 15, keep_last_n=1, healthy=False)
+    assert [info.step for info in list_checkpoints(tmp_path)] == [12, 15, 18]
+    _save(tmp_path, 18, keep_last_n=1, healthy=False)  # the resumed run reaches step 18 itself: replaced
+    assert [info.step for info in list_checkpoints(tmp_path)] == [12, 18]
+    assert json.loads((tmp_path / "step_12" / MANIFEST_NAME).read_text())["healthy"] is True
+
+
+@pytest.mark.parametrize(
+    "pointer",
+    [b"\xff\xfe not utf-8", b"step_" + b"9" * 300 + b"\n", "directory", b"step_3\nstep_4\n", b"/abs/step_3\n"],
+    ids=["not utf-8", "too long", "a directory", "two lines", "an absolute path"],
+)
+def test_a_latest_pointer_that_cannot_be_read_as_a_name_falls_back_to_the_highest_step(
+    tmp_path: Path, pointer: bytes | str
+) -> None:
+    for step in (1, 2):
+        _save(tmp_path, step)
+    (tmp_path / "latest").unlink()
+    if pointer == "directory":
+        (tmp_path / "latest").mkdir()
+    else:
+        (tmp_path / "latest").write_bytes(pointer)  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # an unreadable pointer is named in a warning
+        assert latest_checkpoint(tmp_path) == tmp_path / "step_2"
+        assert read_checkpoint(tmp_path)["counters"]["step_count"] == 2
+        CheckpointHook(tmp_path, resume="never")  # a fresh start in that folder is not refused either
+
+
+def test_a_manifest_or_state_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    (tmp_path / "step_3" / MANIFEST_NAME).unlink()
+    (tmp_path / "step_3" / MANIFEST_NAME).mkdir()  # read as a file: IsADirectoryError
+    with pytest.raises(CheckpointError, match=r"step_3/manifest.json cannot be read"):
+        read_manifest(tmp_path / "step_3")
+    (tmp_path / "step_2" / STATE_NAME).unlink()
+    (tmp_path / "step_2" / STATE_NAME).mkdir()
+    with pytest.raises(CheckpointError, match=r"step_2/state.pt is not a file although the manifest lists it"):
+        verify_checkpoint(tmp_path / "step_2")
+
+
+def test_a_save_replaces_a_file_squatting_on_its_name(tmp_path: Path) -> None:
+    _save(tmp_path, 1)
+    (tmp_path / "step_2").write_text("not a checkpoint")
+    _save(tmp_path, 2)
+    assert [info.step for info in list_checkpoints(tmp_path)] == [1, 2]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_2"
+    assert not [entry.name for entry in tmp_path.iterdir() if entry.name.startswith(".")]
+
+
+def test_a_pointer_that_cannot_be_written_names_the_published_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _save(tmp_path, 1)
+
+    def full(root: Path, name: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage, "write_latest", full)
+    with pytest.raises(OSError, match="No space left") as raised:
+        _save(tmp_path, 2)
+    assert f"while pointing {tmp_path / 'latest'} at {tmp_path / 'step_2'}, which is published" in raised.value.__notes__[0]
+    assert [info.step for info in list_checkpoints(tmp_path)] == [1, 2]
