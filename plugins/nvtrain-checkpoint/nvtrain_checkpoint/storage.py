@@ -498,6 +498,8 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(manifest, dict) or "format_version" not in manifest:
         raise CheckpointError(f"{file} is not an nvtrain checkpoint manifest (no format_version)")
     version = manifest["format_version"]
+    if type(version) is not int:  # 1.0 and true equal 1 in Python, but no nvtrain wrote them
+        raise CheckpointError(f"{file}: format_version must be an int (got {version!r}): the manifest was modified")
     if version != FORMAT_VERSION:
         raise CheckpointError(
             f"{file}: checkpoint format {version!r} is not supported by this nvtrain-checkpoint "
