@@ -44,12 +44,28 @@ _METRICS_EXPECTED = (
 )
 
 
+#: The keys a validation summary holds besides its metrics: a metric by one of these names would overwrite them.
+SUMMARY_KEYS = frozenset({"loss", "num_samples"})
+
+
 def _check_metrics(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     """A mapping of str names to callables, refused at construction rather than mid-run at the first validation."""
     owner = type(instance).__name__
     if not isinstance(value, Mapping) or not all(isinstance(name, str) for name in value):
         raise refused(owner, attribute.name, value, _METRICS_EXPECTED, error=FieldTypeError)
     for name, metric in value.items():
+        if name in SUMMARY_KEYS:
+            raise refused(
+                owner,
+                attribute.name,
+                value,
+                _METRICS_EXPECTED,
+                message=(
+                    f"{owner}.{attribute.name}[{name!r}]: {name!r} is the validation summary's own "
+                    f"{'loss' if name == 'loss' else 'sample count'}, which this metric would overwrite "
+                    f"(and val_{name} with it); name it otherwise, e.g. {'my_' + name!r}"
+                ),
+            )
         if not callable(metric):
             expected = "callable as fn(outputs, targets) -> tensor"
             message = (

@@ -48,6 +48,11 @@ class SendSignal:
                 os.kill(os.getpid(), getattr(signal, self.name))
 
 
+def loss(outputs, targets):
+    """A metric named like the validation summary's own loss."""
+    return (outputs.argmax(1) == targets).float().mean()
+
+
 def nan_loss(outputs, targets):
     return torch.nn.functional.cross_entropy(outputs, targets) * float("nan")
 
@@ -245,6 +250,12 @@ def test_a_user_module_that_raises_on_import_is_one_line_exit_2(
             "plateau is stepped after each validation with validation value 'loss', but the run never validates: "
             "no validation cadence is set",
         ),
+        (
+            ["validation.metrics=[accuracy, 'failure_helpers:loss']"],
+            "validation.metrics[1]",
+            "a metric named 'loss' would overwrite the validation loss (val_loss); give the function another name",
+        ),
+        (["validation.metrics=[math:pi]"], "validation.metrics[0]", "math:pi is not callable as fn(outputs, targets)"),
         (
             ["lr_scheduler={factory: plateau, monitor: loss}", "validation.every_n_steps=2",
              "data={factory: failure_helpers:train_only}"],

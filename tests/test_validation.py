@@ -80,6 +80,8 @@ def test_a_backbone_frozen_in_eval_mode_stays_frozen_across_validations() -> Non
         ),
         ({"metrics": {"acc": "accuracy"}}, r"ValidationConfig.metrics\['acc'\] must be callable.*\(got 'accuracy';"),
         ({"metrics": {1: torch.sub}}, r"ValidationConfig.metrics must be a dict of name -> callable"),
+        ({"metrics": {"loss": torch.sub}}, r"metrics\['loss'\]: 'loss' is the validation summary's own loss"),
+        ({"metrics": {"num_samples": torch.sub}}, r"'num_samples' is the validation summary's own sample count"),
     ],
 )
 def test_bad_settings_are_refused_when_the_config_is_built(settings: dict[str, Any], message: str) -> None:

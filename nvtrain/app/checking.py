@@ -25,7 +25,7 @@ from nvtrain.config import LoadedConfig, RunConfig, resolve_import_path
 from nvtrain.errors import first_line
 from nvtrain.hook import AveragesWeights, Hook, ProvidesAutocast
 from nvtrain.lr_schedule import steps_with_a_metric
-from nvtrain.validation import ValidationConfig, averages_to_validate
+from nvtrain.validation import SUMMARY_KEYS, ValidationConfig, averages_to_validate
 from nvtrain.validators import blocking_file
 
 
@@ -316,8 +316,17 @@ def _metrics(loaded: LoadedConfig, resolve: Callable[..., Any]) -> dict[str, Cal
         spec = BUILTIN_METRICS.get(name, name)
         function = resolve(spec, ("validation", "metrics", index))
         key = name if name in BUILTIN_METRICS else spec.rpartition(":")[2].rpartition(".")[2]
+        where = ("validation", "metrics", index)
+        if not callable(function):
+            raise loaded.error(f"{spec} is not callable as fn(outputs, targets) (it is {function!r})", where)
         if key in metrics:
-            raise loaded.error(f"two metrics are named {key!r}", ("validation", "metrics", index))
+            raise loaded.error(f"two metrics are named {key!r}", where)
+        if key in SUMMARY_KEYS:
+            raise loaded.error(
+                f"a metric named {key!r} would overwrite the validation {key} (val_{key}); give the function "
+                "another name",
+                where,
+            )
         metrics[key] = function
     return metrics
 
