@@ -15,6 +15,7 @@ copy them before the training loop continues if they must stay fixed.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import warnings
@@ -47,6 +48,7 @@ __all__ = [
     "capture_rng_state",
     "capture_state",
     "check_model_fits",
+    "check_restorable",
     "check_state",
     "checkpointable_hooks",
     "find_checkpoint_reader",
@@ -299,23 +301,9 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
     at the start of the next run instead). A state written by rank 0 for several ranks
     may carry ``rng_by_rank``; each rank then takes its own entry.
     """
-    check_state(state)
-    ctx = strategy.ctx
-    _check_names("models", state["models"], ctx.models)
-    _check_names("optimizers", state["optimizers"], ctx.optimizers)
-    _check_names("LR schedulers", state["lr_schedulers"], ctx.lr_schedulers)
-    if state.get("gradients") is not None and ctx.world_size > 1:
-        raise ResumeError(
-            "the state was captured inside an open accumulation window, in one process, and holds that window's "
-            f"gradients, which {ctx.world_size} ranks cannot share out; resume it in one process, or capture the "
-            "state after the window's last micro-batch"
-        )
     # What can be refused is refused before anything is loaded: a refused state leaves the strategy as it was.
-    _check_optimizer_classes(state.get("optimizer_classes"), ctx.optimizers)
-    for name, model in ctx.models.items():
-        check_model_fits(name, model, state["models"][name])
-    for name, optimizer in ctx.optimizers.items():
-        _check_optimizer_fits(name, optimizer, state["optimizers"][name])
+    check_restorable(strategy, state, scheduler=scheduler)
+    ctx = strategy.ctx
     for name, model in ctx.models.items():
         _load_model(name, model, state["models"][name])
     for name, optimizer in ctx.optimizers.items():
@@ -336,6 +324,147 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
     if scheduler:
         apply_scheduler_state(strategy, state)
     apply_rng_state(_rank_rng(strategy, state), ctx.train_loader)
+
+
+def check_restorable(strategy: TrainingStrategy, state: Mapping[str, Any], *, scheduler: bool = True) -> None:
+    """Refuse, changing nothing, a state :func:`apply_state` would refuse part of the way through.
+
+    Every part that can be refused (names, weights, optimizer and LR scheduler states, counters,
+    the step scheduler's data position when ``scheduler``, RNG states) is checked before any is
+    loaded, so a refused state leaves the strategy as it was and a retried run refuses it again.
+    """
+    check_state(state)
+    ctx = strategy.ctx
+    _check_names("models", state["models"], ctx.models)
+    _check_names("optimizers", state["optimizers"], ctx.optimizers)
+    _check_names("LR schedulers", state["lr_schedulers"], ctx.lr_schedulers)
+    if state.get("gradients") is not None and ctx.world_size > 1:
+        raise ResumeError(
+            "the state was captured inside an open accumulation window, in one process, and holds that window's "
+            f"gradients, which {ctx.world_size} ranks cannot share out; resume it in one process, or capture the "
+            "state after the window's last micro-batch"
+        )
+    _check_optimizer_classes(state.get("optimizer_classes"), ctx.optimizers)
+    for name, model in ctx.models.items():
+        _check_weights(name, model, state["models"][name])
+        check_model_fits(name, model, state["models"][name])
+    for name, optimizer in ctx.optimizers.items():
+        _check_mapping(f"optimizers[{name!r}]", state["optimizers"][name], "an optimizer state dict")
+        _check_optimizer_fits(name, optimizer, state["optimizers"][name])
+    for name, sched in ctx.lr_schedulers.items():
+        _check_lr_scheduler_state(name, sched, state["lr_schedulers"][name])
+    _check_counters(state["counters"])
+    _check_mapping("hooks", state["hooks"], "a dict of hook states by key")
+    if scheduler:
+        _check_scheduler_state(strategy, state)
+    _check_rng_state(_rank_rng(strategy, state), ctx.train_loader)
+
+
+def _got(value: Any) -> str:
+    """How a refusal names what it found: a short repr and its type."""
+    text = repr(value)
+    return f"{text[:60] + '...' if len(text) > 60 else text} ({type(value).__name__})"
+
+
+def _check_mapping(key: str, value: Any, expected: str) -> None:
+    if not isinstance(value, Mapping):
+        raise ResumeError(f"the state's {key} must be {expected}; got {_got(value)}")
+
+
+def _check_weights(name: str, model: torch.nn.Module, saved: Any) -> None:
+    """A model's saved weights: a dict by name, with a tensor wherever the model holds one (what a module keeps
+    otherwise, its ``_extra_state`` say, is left to it)."""
+    _check_mapping(f"models[{name!r}]", saved, "a dict of tensors by parameter name")
+    live = unwrap_model(model).state_dict()
+    for key, value in saved.items():
+        if not isinstance(key, str):
+            raise ResumeError(f"the state's models[{name!r}] must be keyed by parameter name; got the key {_got(key)}")
+        if isinstance(live.get(key), torch.Tensor) and not isinstance(value, torch.Tensor):
+            raise ResumeError(f"the state's models[{name!r}][{key!r}] must be a tensor; got {_got(value)}")
+
+
+def _check_lr_scheduler_state(name: str, live: Any, saved: Any) -> None:
+    """A chained LR scheduler (a list) takes a list of as many states; each state is a dict where the live one's is."""
+    if not isinstance(live, (list, tuple)):
+        if isinstance(live.state_dict(), Mapping):
+            _check_mapping(f"lr_schedulers[{name!r}]", saved, "an LR scheduler state dict")
+        return
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+        raise ResumeError(
+            f"the state's lr_schedulers[{name!r}] must be a list of {len(live)} LR scheduler states (this run chains "
+            f"{len(live)}); got {_got(saved)}"
+        )
+    for index, (one, one_saved) in enumerate(zip(live, saved, strict=True)):
+        if isinstance(one.state_dict(), Mapping):
+            _check_mapping(f"lr_schedulers[{name!r}][{index}]", one_saved, "an LR scheduler state dict")
+
+
+def _check_counters(counters: Any) -> None:
+    """Every counter of :data:`COUNTERS`, an int >= 0 (as :func:`capture_state` writes them)."""
+    _check_mapping("counters", counters, f"a dict of {list(COUNTERS)}")
+    for name in COUNTERS:
+        value = counters.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            shown = "nothing" if name not in counters else _got(value)
+            raise ResumeError(f"the state's counters[{name!r}] must be an int >= 0; got {shown}")
+
+
+def _check_scheduler_state(strategy: TrainingStrategy, state: Mapping[str, Any]) -> None:
+    """The step scheduler's refusal of the data position (another batch configuration, data set, sample order),
+    asked of a scheduler that can answer without loading (``check_state_dict``)."""
+    saved = _scheduler_state_to_load(strategy, state)
+    check = getattr(strategy.ctx.scheduler, "check_state_dict", None)
+    if saved is None or not callable(check):
+        return
+    try:
+        check(saved)
+    except ValueError as err:
+        raise ResumeError(str(err)) from None
+
+
+def _check_rng_state(rng: Any, loader: Any) -> None:
+    """Each saved RNG state, set into a scratch generator of its kind (the global ones stay untouched)."""
+    _check_mapping("rng", rng, "a dict of RNG states")
+    _try_rng("rng['torch']", lambda: torch.Generator().set_state(rng["torch"]))
+    cuda_states = rng.get("cuda")
+    if cuda_states and torch.cuda.is_available():
+        _check_cuda_rng(cuda_states)
+    _try_rng("rng['python'] / rng['numpy']", functools.partial(_try_host_rng, rng))
+    generators = rng.get("generators") or {}
+    _check_mapping("rng['generators']", generators, "a dict of generator states by loader attribute")
+    for path, live in loader_generators(loader).items():
+        if path in generators:
+            scratch = torch.Generator(device=live.device)
+            _try_rng(f"rng['generators'][{path!r}]", functools.partial(scratch.set_state, generators[path]))
+
+
+def _check_cuda_rng(states: Any) -> None:
+    """The CUDA RNG states :func:`apply_rng_state` restores: uint8 tensors, tried in a scratch generator once
+    CUDA is initialised (restoring them does not initialise it, and neither does this check)."""
+    if not isinstance(states, (list, tuple)):
+        raise ResumeError(f"the state's rng['cuda'] must be a list of CUDA RNG states; got {_got(states)}")
+    for index, state in enumerate(states[: torch.cuda.device_count()]):
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+            raise ResumeError(f"the state's rng['cuda'][{index}] must be a uint8 tensor; got {_got(state)}")
+        if torch.cuda.is_initialized():
+            generator = torch.Generator(device=f"cuda:{index}")
+            _try_rng(f"rng['cuda'][{index}]", functools.partial(generator.set_state, state))
+
+
+def _try_host_rng(rng: Mapping[str, Any]) -> None:
+    """Set Python's and NumPy's saved states, then put the current ones back (no scratch object takes them as is)."""
+    current = capture_host_rng()
+    try:
+        apply_host_rng(rng)
+    finally:
+        apply_host_rng(current)
+
+
+def _try_rng(key: str, trial: Callable[[], object]) -> None:
+    try:
+        trial()
+    except (TypeError, ValueError, RuntimeError, KeyError, IndexError, AttributeError, OverflowError) as err:
+        raise ResumeError(f"the state's {key} cannot be restored: {type(err).__name__}: {first_line(err)}") from None
 
 
 def check_model_fits(name: str, model: torch.nn.Module, saved: Any) -> None:
@@ -444,29 +573,37 @@ def apply_scheduler_state(strategy: TrainingStrategy, state: Mapping[str, Any]) 
     A state captured outside a run (standalone ``train_batch()``) has no scheduler
     state; the scheduler then continues counting from the restored step and epoch.
     """
+    saved = _scheduler_state_to_load(strategy, state)
+    if saved is None:
+        return
+    try:
+        strategy.ctx.scheduler.load_state_dict(saved)
+    except ResumeError:
+        raise
+    except ValueError as err:  # a data position this job's loader cannot continue
+        raise ResumeError(str(err)) from None
+
+
+def _scheduler_state_to_load(strategy: TrainingStrategy, state: Mapping[str, Any]) -> Any:
+    """What the current run's step scheduler is to load from ``state`` (None: nothing to load); a TypeError for a
+    scheduler that cannot load one."""
     live = strategy.ctx.scheduler
     if live is None:
-        return
+        return None
     saved = state.get("scheduler")
     if saved is None:
         if not callable(getattr(live, "state_dict", None)):
-            return
+            return None
         counters = state["counters"]
         saved = {**live.state_dict(), "step": int(counters["step_count"]), "epoch": int(counters["epoch"]),
                  "position": 0, "epoch_rng": None}
-    load = getattr(live, "load_state_dict", None)
-    if not callable(load):
+    if not callable(getattr(live, "load_state_dict", None)):
         raise TypeError(f"the step scheduler {type(live).__qualname__} has no load_state_dict(); cannot resume")
     rank_rng = _rank_rng(strategy, state)
     if isinstance(rank_rng, Mapping) and "loader" in rank_rng and isinstance(saved, Mapping):
         # rank 0 wrote the checkpoint for every rank: each rank's StatefulDataLoader state is its own
         saved = {**saved, "loader": rank_rng["loader"]}
-    try:
-        load(saved)
-    except ResumeError:
-        raise
-    except ValueError as err:  # a data position this job's loader cannot continue
-        raise ResumeError(str(err)) from None
+    return saved
 
 
 def without_data_position(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -557,6 +694,8 @@ class PendingRestore:
             else:
                 apply_state(self._strategy, state)
         except Exception as err:
+            # held again: a retried run() refuses it again rather than training on without it
+            self.hold(state, self.source, scheduler_only=self.scheduler_only)
             err.add_note(f"while restoring {self.source}")
             raise
 

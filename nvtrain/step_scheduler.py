@@ -32,7 +32,7 @@ import math
 import signal
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -768,6 +768,30 @@ class StepScheduler:
         """Continue from ``state`` (from :meth:`state_dict`); refuses a different batch / data configuration."""
         if self._iterating or self._open:
             raise RuntimeError("StepScheduler.load_state_dict(): cannot load while iterating; load before the loop")
+        state, loader_state = self._checked(state, announce=True)
+        self.step, self.epoch, self._position = int(state["step"]), int(state["epoch"]), int(state["position"])
+        self._anchor = (self.step, self.epoch, self._position)
+        self._reader.load(state.get("epoch_rng"), loader_state, self._position)
+        self.stream_exhausted = bool(state.get("stream_exhausted", False))
+        self.validation_owed = bool(state.get("validation_owed", False))
+        self._epoch_done, self._replay, self._window, self._window_is_last, self._boundary = (
+            False,
+            None,
+            None,
+            False,
+            None,
+        )
+
+    def check_state_dict(self, state: Any) -> None:
+        """Refuse what :meth:`load_state_dict` would refuse, changing nothing: a resume checks every part of a
+        state before it loads any, so a refused one leaves the strategy as it was."""
+        self._checked(state, announce=False)
+
+    def _checked(self, state: Any, *, announce: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """``state`` as it is to be loaded (its position carried over to this configuration) and its loader
+        entry, or a ValueError saying why it cannot be."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"StepScheduler.load_state_dict: expected a state dict, got {type(state).__name__}")
         if set(state) <= {"step", "epoch"} and {"step", "epoch"} <= set(state):
             state = self._seed_state(state)
         missing = [key for key in _STATE_KEYS if key not in state]
@@ -790,7 +814,7 @@ class StepScheduler:
                 "the same data, or restore without the data position"
             )
         if differ:
-            state = self._resharded(state, saved, mine, differ)
+            state = self._resharded(state, saved, mine, differ, announce=announce)
         order_differ = order_differences(saved, mine)
         if order_differ and int(state["position"]):  # the same batch configuration over another permutation
             raise ValueError(
@@ -799,25 +823,13 @@ class StepScheduler:
                 "other samples of it (some twice, some never). Resume with the same data and sampler settings, "
                 "or restore without the data position"
             )
-        loader_state = self._reader.check_loader_entry(state.get("loader"), "StepScheduler.load_state_dict")
-        self.step, self.epoch, self._position = int(state["step"]), int(state["epoch"]), int(state["position"])
-        self._anchor = (self.step, self.epoch, self._position)
-        self._reader.load(state.get("epoch_rng"), loader_state, self._position)
-        self.stream_exhausted = bool(state.get("stream_exhausted", False))
-        self.validation_owed = bool(state.get("validation_owed", False))
-        self._epoch_done, self._replay, self._window, self._window_is_last, self._boundary = (
-            False,
-            None,
-            None,
-            False,
-            None,
-        )
+        return state, self._reader.check_loader_entry(state.get("loader"), "StepScheduler.load_state_dict")
 
     def _resharded(
-        self, state: dict[str, Any], saved: dict[str, Any], mine: dict[str, Any], differ: dict[str, Any]
+        self, state: Any, saved: dict[str, Any], mine: dict[str, Any], differ: dict[str, Any], *, announce: bool
     ) -> dict[str, Any]:
         """``state`` with its position carried over to this job's ranks and local batch size (see
-        :mod:`nvtrain.data_resharding`), or a ValueError saying why it cannot be."""
+        :mod:`nvtrain.data_resharding`), or a ValueError saying why it cannot be; ``announce`` logs the carry-over."""
         details = ", ".join(f"{key}: saved {was!r}, now {now!r}" for key, (was, now) in differ.items())
         try:
             position = resharded_position(saved, mine, int(state["position"]))
@@ -827,7 +839,7 @@ class StepScheduler:
                 f"({details}) and its data position cannot be carried over: {err}. Use the same global/local batch "
                 "size, data-parallel size and dataset, or restore without the data position"
             ) from None
-        if position:
+        if position and announce:
             logger.info(
                 "StepScheduler: continuing epoch %d at sample %d of its order (saved with %s ranks x %s samples, now "
                 "%s x %s): micro-batch %d here",
@@ -836,7 +848,7 @@ class StepScheduler:
             )
         return {**state, "position": position, "loader": None}
 
-    def _seed_state(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _seed_state(self, state: Any) -> dict[str, Any]:
         """The seed's ``{"step", "epoch"}``: the start of that epoch's data, counters at ``step``."""
         return {"step": state["step"], "epoch": state["epoch"], "position": 0, "config": self._config()}
 

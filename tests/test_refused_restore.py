@@ -141,3 +141,47 @@ def test_what_a_module_loads_its_own_way_is_left_to_it(live: torch.nn.Module, sa
     saved = saved_state()
     check_model_fits("main", live, saved)
     live.load_state_dict(saved)  # and torch agrees
+
+
+def _set(section: str, key: str, value: Any) -> Any:
+    def craft(state: dict[str, Any]) -> None:
+        state[section][key] = value
+
+    return craft
+
+
+@pytest.mark.parametrize(
+    ("craft", "message"),
+    [
+        (_set("counters", "step_count", "x"), r"the state's counters\['step_count'\] must be an int >= 0; got 'x'"),
+        (_set("counters", "epoch", -1), r"the state's counters\['epoch'\] must be an int >= 0; got -1 \(int\)"),
+        (_set("models", "head", None), r"the state's models\['head'\] must be a dict of tensors .*; got None"),
+        (
+            _set("models", "head", {"weight": "x", "bias": torch.zeros(2)}),
+            r"the state's models\['head'\]\['weight'\] must be a tensor; got 'x' \(str\)",
+        ),
+        (_set("optimizers", "head", None), r"the state's optimizers\['head'\] must be an optimizer state dict"),
+        (_set("rng", "torch", torch.zeros(3, dtype=torch.uint8)), r"rng\['torch'\] cannot be restored: .*size to be 3"),
+        (_set("rng", "python", (3, "x", None)), r"the state's rng\['python'\] / rng\['numpy'\] cannot be restored"),
+    ],
+    ids=[
+        "counter-not-an-int",
+        "negative-counter",
+        "model-not-a-dict",
+        "weight-not-a-tensor",
+        "optimizer-not-a-dict",
+        "torch-rng",
+        "python-rng",
+    ],
+)
+def test_a_crafted_state_is_refused_before_anything_loads(craft: Any, message: str) -> None:
+    """Each of these was found only as it loaded (a raw ValueError, TypeError or RuntimeError), after the models."""
+    state = trained_state()
+    craft(state)
+    strategy = make_strategy(torch.nn.Linear(4, 2))
+    strategy.train_batch(batch())
+    before, rng = snapshot(strategy), torch.get_rng_state()
+    with pytest.raises(ResumeError, match=message):
+        strategy.load_state_dict(state)
+    assert_unchanged(before, snapshot(strategy))
+    assert torch.equal(torch.get_rng_state(), rng)

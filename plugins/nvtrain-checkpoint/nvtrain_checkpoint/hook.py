@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import logging
 import os
 import sys
@@ -117,6 +118,9 @@ class CheckpointHook:
     #: The resume decision for the run about to start (``resume_checkpoint``), so its warnings print once;
     #: that run's BEFORE_TRAINING consumes it.
     _resume_choice: tuple[Any, Path | None, frozenset[str]] | None = attrs.field(init=False, default=None, repr=False)
+    #: The last resume raised while loading (the strategy may hold part of the state, its counters too): the next
+    #: run resumes again instead of taking the in-memory state for a restored one.
+    _resume_failed: bool = attrs.field(init=False, default=False, repr=False)
     #: Checkpoints the run's resume found corrupt and passed over: its first save sets them aside.
     _passed_over: frozenset[str] = attrs.field(init=False, default=frozenset(), repr=False)
     #: Saves of models sharded with FSDP (DTensor parameters): one DCP checkpoint written by every rank.
@@ -229,15 +233,17 @@ class CheckpointHook:
         self._after_validation_save = self._epoch_end_save = False
         if self.async_save and self._writes(ctx) and self._in_process_writer():
             self._writer_process().start()  # a new one imports torch while the run starts, not at the first save
-        if ctx.step_count != 0:
+        if ctx.step_count != 0 and not self._resume_failed:
             return  # restored already (load_checkpoint) or a second run(): the in-memory state is current
         path = self._resume_path(ctx)
         if path is not None:
+            self._resume_failed = True  # until the whole state is in
             if sharded.is_sharded_checkpoint(path):  # written by FSDP ranks: loads on any number of ranks
                 sharded.load_sharded(ctx.strategy, Path(path))  # type: ignore[arg-type]
             else:
                 state = self.read_checkpoint(path)
                 load_state(ctx.strategy, state, source=f"checkpoint {str(path)!r}")  # type: ignore[arg-type]
+            self._resume_failed = False
             self._saved_step = ctx.step_count
             self.last_checkpoint_index = ctx.step_count
             self._last_saved = (ctx.step_count, Path(path))
@@ -554,8 +560,11 @@ def _newest_intact(root: Path, *, warn: bool) -> tuple[Path | None, frozenset[st
     The pointer wins over a higher complete step it does not name (a kill between publishing that
     step and writing ``latest``). ``step_<N>`` directories with none of them intact (corrupt, or
     without a manifest) raise a CheckpointError naming them: a resume never silently starts afresh.
+    A checkpoint in a newer format stops the resume (see :func:`_refuse_newer_format`).
     """
     complete = storage.list_checkpoints(root)
+    for info in complete:
+        _refuse_newer_format(info.path)
     pointed = storage.latest_checkpoint(root)
     order = [info.path for info in reversed(complete)]
     if pointed is not None and pointed in order:  # the pointer wins over a higher step it does not name
@@ -584,6 +593,38 @@ def _newest_intact(root: Path, *, warn: bool) -> tuple[Path | None, frozenset[st
     if skipped and chosen is not None and warn:
         logger.warning("resume: passing over %s; resuming from %s instead", "; ".join(skipped), chosen)
     return chosen, frozenset(corrupt)
+
+
+def _refuse_newer_format(path: Path) -> None:
+    """Stop the resume at a checkpoint in a newer format than this nvtrain-checkpoint reads.
+
+    It is no damage: a later version wrote it intact. Passed over as corrupt it would be set
+    aside, and a run resumed from an older step would replace it with its save of that step
+    or rotate it out (``keep_last_n``); so no run of this version resumes in its directory.
+    """
+    manifest = _raw_manifest(path)
+    version = manifest.get("format_version")
+    if type(version) is not int or version <= storage.FORMAT_VERSION:
+        return  # this format, or one no version writes (damage: passed over as such)
+    plugins = manifest.get("plugins")
+    plugin = plugins.get(CheckpointHook.plugin_name) if isinstance(plugins, dict) else None
+    writer = plugin.get("version") if isinstance(plugin, dict) else None
+    named = isinstance(writer, str) and writer != storage.running_version("nvtrain-checkpoint")
+    wrote = f"nvtrain-checkpoint {writer}" if named else "the nvtrain-checkpoint version that wrote it"
+    raise storage.CheckpointError(
+        f"{path} is a checkpoint in format {version}, which this nvtrain-checkpoint does not read (it reads format "
+        f"{storage.FORMAT_VERSION}); it is left as it is. Install {wrote} to resume from it, or set checkpoint_dir "
+        "to another directory to run without it"
+    )
+
+
+def _raw_manifest(path: Path) -> dict[str, Any]:
+    """The manifest's JSON as it is, unchecked ({} when it cannot be read or is no JSON object)."""
+    try:
+        manifest = json.loads((path / storage.MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
 
 
 def _require_directory(path: Path) -> None:

@@ -328,12 +328,23 @@ def apply_retention(root: Path, keep_last_n: int | None, *, discard: Discard = d
         if info.path.name not in keep
         and info.path.name != pointed
         and not info.path.name.startswith(REPLACED_PREFIX)  # an interrupted replacement: the next save puts it back
+        and not _newer_format(info.path)  # a later version's checkpoint: not this version's to rotate out
     ]
     if removed:
         trash = [retire(path) for path in removed]
         fsync_dir(root)  # the renames are durable before any file of them goes
         discard(trash)
     return removed
+
+
+def _newer_format(directory: Path) -> bool:
+    """Whether the checkpoint's manifest names a format later than the one this version writes."""
+    try:
+        manifest = json.loads((directory / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    return type(version) is int and version > FORMAT_VERSION
 
 
 def is_healthy(directory: Path) -> bool:

@@ -518,3 +518,13 @@ def test_a_pointer_that_cannot_be_written_names_the_published_checkpoint(
         _save(tmp_path, 2)
     assert f"while pointing {tmp_path / 'latest'} at {tmp_path / 'step_2'}, which is published" in raised.value.__notes__[0]
     assert [info.step for info in list_checkpoints(tmp_path)] == [1, 2]
+
+
+def test_retention_leaves_a_checkpoint_in_a_newer_format_alone(tmp_path: Path) -> None:
+    """A later version's checkpoint is not this version's to rotate out (a resume: never run in its folder)."""
+    _save(tmp_path, 1)
+    manifest = json.loads((tmp_path / "step_1" / MANIFEST_NAME).read_text())
+    (tmp_path / "step_1" / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 2}))
+    for step in (2, 3):
+        _save(tmp_path, step, keep_last_n=1)
+    assert [info.step for info in list_checkpoints(tmp_path)] == [1, 3]
