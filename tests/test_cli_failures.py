@@ -256,6 +256,7 @@ def test_a_user_module_that_raises_on_import_is_one_line_exit_2(
             "a metric named 'loss' would overwrite the validation loss (val_loss); give the function another name",
         ),
         (["validation.metrics=[math:pi]"], "validation.metrics[0]", "math:pi is not callable as fn(outputs, targets)"),
+        (["hooks=[{name: ema, model_key: nope}]"], "hooks", "SETUP: EMAHook.model_key: no model named 'nope'"),
         (
             ["lr_scheduler={factory: plateau, monitor: loss}", "validation.every_n_steps=2",
              "data={factory: failure_helpers:train_only}"],

@@ -119,7 +119,9 @@ class EMAHook(nvtrain.TrainingUpdateHook):
 
     @nvtrain.hookimpl
     def setup(self, ctx: nvtrain.TrainingContext) -> None:
-        """Remember the models, so ``get_averaged_model()`` works before the first update."""
+        """Remember the models, so ``get_averaged_model()`` works before the first update; a ``model_key`` naming
+        no model is refused here, at SETUP, where ``nvtrain validate`` sees it, not when training starts."""
+        self._source(ctx.models)
         self._models = ctx.models
 
     @nvtrain.hookimpl

@@ -156,6 +156,13 @@ def test_unknown_model_key_is_named() -> None:
         strategy.run(make_batches(1))
 
 
+def test_unknown_model_key_is_refused_at_setup() -> None:
+    """At SETUP, where ``nvtrain validate`` builds the strategy, not only once training starts."""
+    strategy = make_strategy([EMAHook(model_key="student")])
+    with pytest.raises(ValueError, match=r"EMAHook\.model_key: no model named 'student'"):
+        strategy.setup()
+
+
 def test_no_averaged_model_before_a_strategy() -> None:
     with pytest.raises(RuntimeError, match=r"EMAHook\.get_averaged_model\(\): there is no averaged model yet"):
         EMAHook().get_averaged_model()
