@@ -258,6 +258,22 @@ def test_a_user_module_that_raises_on_import_is_one_line_exit_2(
         (["validation.metrics=[math:pi]"], "validation.metrics[0]", "math:pi is not callable as fn(outputs, targets)"),
         (["hooks=[{name: ema, model_key: nope}]"], "hooks", "SETUP: EMAHook.model_key: no model named 'nope'"),
         (
+            ["lr_scheduler={factory: step, kwargs: {step_size: '10'}}"],
+            "lr_scheduler.kwargs",
+            "step fails when stepped with these kwargs: TypeError: unsupported operand type(s)",
+        ),
+        (
+            ["lr_scheduler={factory: cosine, kwargs: {T_max: 0}}"],
+            "lr_scheduler.kwargs",
+            "cosine fails when stepped with these kwargs: ZeroDivisionError",
+        ),
+        (
+            ["optimizer.factory=torch.optim:LBFGS"],
+            "optimizer.factory",
+            "torch.optim:LBFGS.step() needs 'closure' (a closure that re-evaluates the model), which the training "
+            "loop does not pass",
+        ),
+        (
             ["lr_scheduler={factory: plateau, monitor: loss}", "validation.every_n_steps=2",
              "data={factory: failure_helpers:train_only}"],
             "lr_scheduler.monitor",
@@ -283,6 +299,8 @@ def test_what_would_fail_at_the_first_validation_or_step_is_refused_up_front(
         ["hooks=[{name: early_stopping, monitor: num_samples}]"],
         ["trainer.global_batch_size=256", "hooks=[{name: accumulate, steps: 4}]"],
         ["lr_scheduler={factory: plateau}", "validation.every_n_epochs=null", "trainer.val_every_steps=3"],
+        ["lr_scheduler={factory: onecycle, kwargs: {max_lr: 0.1}}"],  # stepped once on a long placeholder horizon
+        ["lr_scheduler={factory: cosine}", "optimizer={factory: torch.optim:SGD, kwargs: {lr: 0.1, momentum: 0.9}}"],
     ],
 )
 def test_monitors_accumulation_and_cadences_that_agree_validate(

@@ -13,6 +13,7 @@ import functools
 import inspect
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,7 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
     loss_fn = functools.partial(loss, **config.loss.kwargs) if config.loss.kwargs else loss
     optimizer_cls = resolve(config.optimizer.factory, ("optimizer", "factory"))
     _check_call(loaded, optimizer_cls, ("params",), config.optimizer.kwargs, ("optimizer",), config.optimizer.factory)
+    _check_stepping_needs_no_closure(loaded, optimizer_cls)
     optimizer_factory = functools.partial(optimizer_cls, **config.optimizer.kwargs)
     scheduler_factory: Callable[..., Any] | None = None
     fills: tuple[str, ...] = ()
@@ -95,6 +97,8 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
         filled = dict(section.kwargs, **{name: 1 for name in fills})
         _check_call(loaded, scheduler_cls, ("optimizer",), filled, ("lr_scheduler",), section.factory)
         _check_schedule(loaded, scheduler_cls)
+        placeholders = dict.fromkeys(fills, 10**6)  # the run's length is known later; any long horizon steps alike
+        _check_scheduler_steps(loaded, optimizer_factory, scheduler_cls, dict(section.kwargs, **placeholders))
         scheduler_factory = functools.partial(scheduler_cls, **section.kwargs)
     forward_fn = None
     if config.model.forward_fn is not None:
@@ -274,6 +278,53 @@ def _unknown_monitor(name: str, keys: Sequence[str]) -> str:
         f"monitor {name!r} is not a key of the validation summary, which has: {', '.join(keys)}{hint} "
         "(a metric must be listed in validation.metrics; the logs' val_ / val_ema_ prefix is not part of the key)"
     )
+
+
+def _check_stepping_needs_no_closure(loaded: LoadedConfig, optimizer_cls: Any) -> None:
+    """The loop calls ``optimizer.step()`` without a closure; an optimizer whose step needs one (LBFGS) would
+    fail at the first step, after the run had started."""
+    try:
+        parameters = list(inspect.signature(optimizer_cls.step).parameters.values())[1:]  # after self
+    except (AttributeError, TypeError, ValueError):
+        return
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    required = [p.name for p in parameters if p.default is p.empty and p.kind in kinds]
+    if required:
+        raise loaded.error(
+            f"{loaded.config.optimizer.factory}.step() needs {', '.join(map(repr, required))} (a closure that "
+            "re-evaluates the model), which the training loop does not pass; use an optimizer that steps without one",
+            ("optimizer", "factory"),
+        )
+
+
+def _check_scheduler_steps(
+    loaded: LoadedConfig, optimizer_factory: Callable[..., Any], scheduler_cls: Any, kwargs: Mapping[str, Any]
+) -> None:
+    """Build the scheduler on a throwaway one-parameter optimizer and step it once: settings that construct
+    but fail when stepped (``step_size: "10"``, ``T_max: 0``) are refused now, not at the first optimizer step.
+
+    Only a scheduler's own failure counts: when the throwaway optimizer or the scheduler cannot be built so
+    (an optimizer that needs more than parameters), nothing is concluded.
+    """
+    try:
+        optimizer = optimizer_factory([torch.zeros(1, requires_grad=True)])
+        scheduler = scheduler_cls(optimizer, **kwargs)
+    except Exception:  # the real construction, with the real optimizer, reports its own errors
+        return
+    section = loaded.config.lr_scheduler
+    assert section is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": nothing trains here
+        try:
+            if steps_with_a_metric(scheduler_cls):
+                scheduler.step(1.0)
+            else:
+                scheduler.step()
+        except Exception as err:  # whatever stepping raises is what the run would die of
+            raise loaded.error(
+                f"{section.factory} fails when stepped with these kwargs: {type(err).__name__}: {first_line(err)}",
+                ("lr_scheduler", "kwargs"),
+            ) from None
 
 
 def _check_call(
