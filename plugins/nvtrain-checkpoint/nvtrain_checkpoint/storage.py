@@ -627,7 +627,7 @@ def read_checkpoint(path: str | os.PathLike[str], rank: int | None = None) -> di
             "ranks, or write one plain weights file with CheckpointHook.export(path) / nvtrain_checkpoint.export_weights"
         )
     state_file = directory / STATE_NAME
-    verify_file(state_file, manifest["files"][STATE_NAME])
+    verify_checkpoint(directory)  # every file the manifest lists, as a resume and an export check them
     state = load_state_file(state_file)
     try:
         check_state(state, source=str(state_file))

@@ -528,3 +528,16 @@ def test_retention_leaves_a_checkpoint_in_a_newer_format_alone(tmp_path: Path) -
     for step in (2, 3):
         _save(tmp_path, step, keep_last_n=1)
     assert [info.step for info in list_checkpoints(tmp_path)] == [1, 3]
+
+
+@pytest.mark.parametrize("listed", ["extra.bin", "../../outside"])
+def test_every_reader_checks_every_file_the_manifest_lists(tmp_path: Path, listed: str) -> None:
+    """read_checkpoint (and load_checkpoint through it) refuses what a resume and an export refuse."""
+    path = _save(tmp_path, 1)
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    manifest["files"][listed] = {"size": 1, "sha256": "0" * 64}
+    (path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    message = "is missing although the manifest lists it" if listed == "extra.bin" else "which is not a file of"
+    for reader in (read_checkpoint, verify_checkpoint):
+        with pytest.raises(CheckpointError, match=message):
+            reader(path)
