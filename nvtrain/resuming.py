@@ -21,8 +21,10 @@ See docs/checkpointing.md ("Resuming with a changed config").
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,7 +71,12 @@ _MISSING: Any = type("_Missing", (), {"__repr__": lambda self: "(absent)"})()
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}, "l": [{"x": 2}]}`` -> ``{"a.b": 1, "l[0].x": 2}``; other lists stay whole values."""
+    """``{"a": {"b": 1}, "l": [{"x": 2}]}`` -> ``{"a.b": 1, "l[0].x": 2}``; other lists stay whole values.
+
+    Items that all carry a ``name`` (hooks) are labelled by it, with their ``state_key`` when they have
+    one (``hooks[ema].decay``, ``hooks[ema:fast].decay``), so removing one hook does not shift the others'
+    settings onto each other; a second item of one label is ``hooks[ema#2]``.
+    """
     if isinstance(data, Mapping):
         if not data and prefix:
             return {prefix: {}}
@@ -79,23 +86,76 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
         return flat
     if isinstance(data, list) and data and all(isinstance(item, Mapping) for item in data):
         flat = {}
-        for index, item in enumerate(data):
-            flat.update(flatten(item, f"{prefix}[{index}]"))
+        for label, item in zip(_item_labels(data), data, strict=True):
+            flat.update(flatten(item, f"{prefix}[{label}]"))
         return flat
     return {prefix: data}
 
 
+def _item_labels(items: list[Mapping[str, Any]]) -> list[str]:
+    names = [item.get("name") for item in items]
+    if not all(isinstance(name, str) for name in names):
+        return [str(index) for index in range(len(items))]
+    keys = [item.get("state_key") for item in items]
+    labels, seen = [], collections.Counter[str]()
+    for name, key in zip(names, keys, strict=True):
+        label = f"{name}:{key}" if isinstance(key, str) else str(name)
+        seen[label] += 1
+        labels.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
+    return labels
+
+
+#: A list item's part of a flattened key: ``hooks[ema]`` of ``hooks[ema].decay``.
+_ITEM = re.compile(r"^([^\[]*\[[^\]]+\])(?:\.|$)")
+
+
 def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any], *, derives_horizon: bool) -> list[ConfigChange]:
-    """Every difference between two unstructured run configs, classified (in the new config's order)."""
+    """Every difference between two unstructured run configs, classified (in the new config's order).
+
+    A list item (a hook) only one side has is one change of its own, not one per setting.
+    """
     old, new = flatten(saved), flatten(now)
+    old_items, new_items = _items(old), _items(new)
     changes = []
+    reported: set[str] = set()
     for key in [*new, *(k for k in old if k not in new)]:
+        item = _item_of(key)
+        if item is not None and (item in old_items) != (item in new_items):
+            if item not in reported:
+                reported.add(item)
+                changes.append(_whole_item_change(item, old, new))
+            continue
         was, is_now = old.get(key, _MISSING), new.get(key, _MISSING)
         if was == is_now or _filled_in(key, was, is_now, old, new):
             continue
         effect, note = _classify(key, derives_horizon)
         changes.append(ConfigChange(key, was, is_now, effect, note))
     return changes
+
+
+def _item_of(key: str) -> str | None:
+    match = _ITEM.match(key)
+    return match.group(1) if match else None
+
+
+def _items(flat: Mapping[str, Any]) -> set[str]:
+    return {item for item in map(_item_of, flat) if item is not None}
+
+
+def _settings(flat: Mapping[str, Any], item: str) -> dict[str, Any] | Any:
+    """The item's settings as one mapping (``_MISSING`` when that side has no such item)."""
+    inside = {key[len(item) + 1 :]: value for key, value in flat.items() if key.startswith(item + ".")}
+    return inside or _MISSING
+
+
+def _whole_item_change(item: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> ConfigChange:
+    was, is_now = _settings(old, item), _settings(new, item)
+    note = ""
+    if item.startswith("hooks[") and was is _MISSING:
+        note = "a hook the checkpoint's run did not have; it starts afresh"
+    elif item.startswith("hooks["):
+        note = "the hook is gone; what the checkpoint saved for it is left unused"
+    return ConfigChange(item, was, is_now, TAKES_EFFECT, note)
 
 
 def _filled_in(key: str, was: Any, is_now: Any, old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:

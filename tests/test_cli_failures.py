@@ -779,6 +779,31 @@ def test_a_resume_lists_the_keys_a_filled_in_mapping_gained_not_the_mapping() ->
     assert [c.key for c in config_changes(saved, {"model": {}}, derives_horizon=False)] == ["model.kwargs"]
 
 
+def test_a_resume_compares_hooks_by_name_and_lists_one_added_or_removed_as_one_change() -> None:
+    """Removing ema between amp and checkpoint: one change, not checkpoint's settings compared with ema's."""
+    from nvtrain.resuming import TAKES_EFFECT, config_changes
+
+    amp, checkpoint = {"name": "amp", "precision": "auto"}, {"name": "checkpoint", "resume": "auto"}
+    fast, slow = {"name": "ema", "decay": 0.9, "state_key": "fast"}, {"name": "ema", "decay": 0.999, "state_key": "slow"}
+    saved = {"hooks": [amp, fast, slow, checkpoint]}
+    now = {"hooks": [{**amp, "precision": "bf16"}, slow, checkpoint, {"name": "clip", "max_norm": 1.0}]}
+    changes = config_changes(saved, now, derives_horizon=False)
+    assert [(c.key, c.effect) for c in changes] == [
+        ("hooks[amp].precision", TAKES_EFFECT),
+        ("hooks[clip]", TAKES_EFFECT),
+        ("hooks[ema:fast]", TAKES_EFFECT),
+    ]
+    assert changes[1].describe() == (
+        "hooks[clip]: (absent) -> {'name': 'clip', 'max_norm': 1.0} "
+        "(takes effect: a hook the checkpoint's run did not have; it starts afresh)"
+    )
+    assert changes[2].saved == fast and "what the checkpoint saved for it is left unused" in changes[2].note
+    twins = {"hooks": [{"name": "ema", "decay": 0.9}, {"name": "ema", "decay": 0.99}]}  # one label: counted
+    assert [c.key for c in config_changes(twins, {"hooks": twins["hooks"][:1]}, derives_horizon=False)] == [
+        "hooks[ema#2]"
+    ]
+
+
 def test_a_factory_refusal_quoting_a_value_is_placed_at_the_kwarg_in_the_file(
     job: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
