@@ -229,6 +229,28 @@ def test_progress_bar_shows_validation_after_the_throughput_where_it_fits() -> N
     assert re.search(r", loss [0-9.]+ samples/s [0-9]+ val_acc [0-9.]+ val_loss [0-9.]+$", last), last
 
 
+def progress_bar_frames(steps: int, **settings: Any) -> list[str]:
+    """The frames a bar drawn to a StringIO over ``steps`` steps shows (each redraw starts with a carriage return)."""
+    stream = io.StringIO()
+    hook = ProgressBarHook(log_every_n_steps=1, stream=stream, use_bar=True, **settings)
+    with strategy([hook], max_steps=steps) as s:
+        s.run(batches(steps))
+    return [frame for frame in stream.getvalue().replace("\n", "\r").split("\r") if frame.strip()]
+
+
+@pytest.mark.parametrize("ncols", [60, 100])
+def test_progress_bar_ncols_is_the_width_of_every_frame(ncols: int) -> None:
+    frames = progress_bar_frames(10, refresh_interval=1e-9, ncols=ncols)
+    assert len(frames) == 12
+    assert {len(frame) for frame in frames} == {ncols}
+
+
+def test_progress_bar_redraws_at_most_every_refresh_interval() -> None:
+    # A run of a few milliseconds: redrawn at every step, or only when it opens and when it closes.
+    assert len(progress_bar_frames(30, refresh_interval=1e-9)) == 32
+    assert len(progress_bar_frames(30, refresh_interval=1000.0)) == 2
+
+
 def test_progress_postfix_skips_an_entry_that_does_not_fit() -> None:
     hook = ProgressBarHook(ncols=82)  # no bar drawn: 82 - 34 fixed - 8 for the bar = 40 columns of postfix
     hook._postfix.update(

@@ -383,6 +383,38 @@ def test_logging_progress_bar_decides_whether_progress_is_shown(
     assert len(shown) == (4 if progress_bar else 0)  # one line per logging step (log_every_n_steps: 1)
 
 
+# -- logging.csv, tensorboard, plot -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("csv", "tensorboard", "plot", "files"),
+    [
+        (False, False, False, set()),
+        (True, False, False, {"metrics.csv"}),
+        (True, True, True, {"metrics.csv", "tensorboard", "curves.png"}),
+    ],
+)
+def test_logging_csv_tensorboard_and_plot_decide_the_run_directorys_files(
+    job: Job, capsys: pytest.CaptureFixture[str], csv: bool, tensorboard: bool, plot: bool, files: set[str]
+) -> None:
+    for needed, module in ((tensorboard, "tensorboard"), (plot, "matplotlib")):
+        if needed:
+            pytest.importorskip(module)
+    settings = {"csv": csv, "tensorboard": tensorboard, "plot": plot}
+    assert job.train(*(f"logging.{key}={str(value).lower()}" for key, value in settings.items())) == 0
+    capsys.readouterr()
+    run_dir = job.plan().run_dir
+    logged = {"metrics.csv", "tensorboard", "curves.png"}
+    assert {path.name for path in run_dir.iterdir()} & logged == files
+
+
+def test_logging_plot_without_the_csv_file_is_refused_at_logging_plot(job: Job) -> None:
+    message = r"plot needs the metrics file: set logging\.csv to true or plot to false"
+    with pytest.raises(ConfigError, match=message) as info:
+        job.plan("logging.csv=false", "logging.plot=true")
+    assert info.value.path == ("logging", "plot")
+
+
 # -- trainer.start_step / start_epoch through TrainingStrategy --------------------------------------
 
 

@@ -11,6 +11,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 #: A job's factories that record, per rank, what the global generator gave them.
 FACTORIES = """\
@@ -87,3 +89,6 @@ def test_torchrun_ranks_build_alike_and_train_apart(tmp_path: Path) -> None:
     assert first["split"] == second["split"]  # no sample trained twice, none in one rank's training and the other's val
     assert first["init"] == second["init"]
     assert first["first_draw"] != second["first_draw"]  # seed + rank once built
+    torch.manual_seed(3 + 1)  # rank 1 reseeded with seed + rank after the build: the draws it trains with are
+    next(iter(DataLoader(range(1))))  # that stream's, after the training loader's iterator takes its base seed
+    assert second["first_draw"] == torch.rand(1).item()

@@ -591,6 +591,17 @@ def test_resume_never_warns_about_existing_checkpoints(driver: ModuleType, tmp_p
         driver.straight("plain", [CheckpointHook(tmp_path)])
 
 
+def test_resume_never_resumes_from_nothing_beside_existing_checkpoints(driver: ModuleType, tmp_path: Path) -> None:
+    reference = driver.straight("plain", [CheckpointHook(tmp_path, step_interval=5)])
+    assert CheckpointHook(tmp_path, resume="auto").resume_checkpoint() == tmp_path / "step_18"  # there is one
+    hook = CheckpointHook(tmp_path, resume="never", step_interval=5)
+    assert hook.resume_checkpoint() is None
+    with pytest.warns(UserWarning, match=r"already holds checkpoints and resume='never'"):
+        fresh = driver.straight("plain", [hook])
+    assert [batch for batch, _ in fresh["losses"]] == list(range(1, 19))  # from step 0
+    driver.assert_same(reference["params"], fresh["params"])
+
+
 @pytest.mark.parametrize("damage", ["every_manifest_lost", "only_an_empty_step_directory"])
 def test_auto_resume_over_only_incomplete_checkpoints_refuses_naming_them(
     driver: ModuleType, tmp_path: Path, damage: str

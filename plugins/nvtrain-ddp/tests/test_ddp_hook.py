@@ -3,6 +3,7 @@ gloo world of one) wrapping, unwrapping, sampler injection, set_epoch and no_syn
 
 from __future__ import annotations
 
+import datetime
 import functools
 import gc
 import importlib.metadata
@@ -181,8 +182,18 @@ def test_world_size_above_one_without_a_group_and_auto_init_off_is_an_error(monk
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
+    # A hook that initialised a group anyway would wait for a rank 1 that never comes (torch's default: 30
+    # minutes): a short rendezvous timeout makes that a failure in seconds, and the calls show there was none.
+    init, calls = dist.init_process_group, list[dict[str, Any]]()
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        calls.append(kwargs)
+        init(*args, **(kwargs | {"timeout": datetime.timedelta(seconds=5)}))
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
     with make_strategy(DDPHook(auto_init=False)) as strategy, pytest.raises(RuntimeError, match="auto_init=False"):
         strategy.run(make_loader())
+    assert calls == []
 
 
 # -- a gloo world of one: the hook is active ------------------------------------------------------

@@ -410,13 +410,27 @@ class RecordOutputs:
         self.dtypes.add(ctx.outputs.dtype)
 
 
+class RecordGradients:
+    """Each parameter's local gradient shard after the first backward (reduced; the optimizer has not used it)."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] | None = None
+
+    @nvtrain.hookimpl
+    def after_backward(self, ctx: nvtrain.TrainingContext) -> None:
+        if self.grads is None:
+            self.grads = [p.grad.to_local().detach().clone() for p in ctx.models["main"].parameters()]
+
+
 def bf16(out: Path) -> None:
-    """FSDP's MixedPrecisionPolicy: bf16 compute, fp32 shards and gradients, fp32 outputs for the loss."""
+    """FSDP's MixedPrecisionPolicy: bf16 compute, fp32 shards and gradients, fp32 outputs for the loss; the
+    first step's gradients reduced in fp32 (``reduce_dtype``), and again in bf16 (its default: ``param_dtype``)."""
     manager = nvtrain.DistributedManager.initialize(device="cpu")
     x, y = make_data(32)
-    outputs = RecordOutputs()
+    outputs, fp32_reduced, bf16_reduced = RecordOutputs(), RecordGradients(), RecordGradients()
     sgd = functools.partial(torch.optim.SGD, lr=0.1)
-    strategy = strategy_for(manager, [FSDPHook(param_dtype="bf16", reduce_dtype="fp32"), outputs], optimizers=sgd)
+    hooks = [FSDPHook(param_dtype="bf16", reduce_dtype="fp32"), outputs, fp32_reduced]
+    strategy = strategy_for(manager, hooks, optimizers=sgd)
     with strategy:
         strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
         params = list(strategy.ctx.models["main"].parameters())
@@ -426,6 +440,10 @@ def bf16(out: Path) -> None:
             "param_dtypes": sorted({str(p.dtype) for p in params}),
             "grad_dtypes": sorted({str(p.grad.dtype) for p in params if p.grad is not None}),
         }
+    # One step of the same model on the same first batch, the gradients reduced in bf16.
+    with strategy_for(manager, [FSDPHook(param_dtype="bf16"), bf16_reduced], optimizers=sgd) as again:
+        again.run(DataLoader(TensorDataset(x[:8], y[:8]), batch_size=LOCAL_BATCH))
+    payload |= {"grads_reduced_in_fp32": fp32_reduced.grads, "grads_reduced_in_bf16": bf16_reduced.grads}
     save(out, f"rank{manager.rank}.pt", payload)
     if manager.rank == 0:
         save(out, "reference.pt", reference(x, y, steps=4, world_size=manager.world_size, optimizer=sgd))

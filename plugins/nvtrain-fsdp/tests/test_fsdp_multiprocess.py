@@ -240,6 +240,21 @@ def test_bf16_mixed_precision_keeps_fp32_shards_and_outputs(suite: Path) -> None
     ), "bf16 compute should differ from fp32 somewhere"
 
 
+def bf16_representable(tensor: torch.Tensor) -> bool:
+    return torch.equal(tensor, tensor.to(torch.bfloat16).float())
+
+
+def test_reduce_dtype_is_the_dtype_gradients_are_reduced_in(suite: Path) -> None:
+    """bf16 compute, the first step's gradient shards after backward: reduced in fp32 (``reduce_dtype: fp32``)
+    the mean of two ranks' bf16 gradients keeps bits bf16 lacks; reduced in bf16 (the default) it has none."""
+    for result in ranks(suite / "bf16"):
+        in_fp32, in_bf16 = result["grads_reduced_in_fp32"], result["grads_reduced_in_bf16"]
+        assert [g.dtype for g in in_fp32] == [g.dtype for g in in_bf16] == [torch.float32] * 4
+        assert not all(bf16_representable(g) for g in in_fp32)
+        assert all(bf16_representable(g) for g in in_bf16)
+        assert_close_to(in_bf16, in_fp32, rtol=0.0, atol=2e-2)  # the same gradients, one rounded to bf16
+
+
 #: The built-in digits job, small, with FSDP (and EMA: its average of the sharded model validates; and
 #: checkpoints: sharded, with the EMA's shards in them), its model built on the meta device.
 JOB = """\

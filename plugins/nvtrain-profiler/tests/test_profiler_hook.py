@@ -86,6 +86,19 @@ def test_a_schedule_given_as_its_arguments_is_built_from_them(tmp_path: Path) ->
     ]
 
 
+@pytest.mark.parametrize(("skip_first", "profiled"), [(0, {"ProfilerStep#1"}), (4, {"ProfilerStep#5"})])
+def test_a_schedules_skip_first_skips_that_many_steps_before_its_cycle(
+    tmp_path: Path, skip_first: int, profiled: set[str]
+) -> None:
+    """``schedule: {warmup: 1, active: 1, repeat: 1, skip_first: 4}``: steps 0-3 skipped, 4 warms up, 5 recorded."""
+    arguments = {"warmup": 1, "active": 1, "repeat": 1} | ({"skip_first": skip_first} if skip_first else {})
+    profiler = TorchProfilerHook(output_dir=tmp_path, activities=["cpu"], schedule=arguments)
+    with make_strategy([profiler]) as strategy:
+        strategy.run(make_batches(8))
+    (trace,) = trace_files(tmp_path)
+    assert {name for name in event_names(trace) if name.startswith("ProfilerStep#")} == profiled
+
+
 @pytest.mark.parametrize(
     ("schedule", "message"),
     [
