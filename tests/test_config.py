@@ -279,6 +279,8 @@ def test_missing_file(tmp_path: Path) -> None:
         ("=3", "expected --set key.subkey=value"),
         ("hooks.7.decay=1", "index 7 is out of range (the list has 3 items)"),
         ("hooks.emma.decay=1", "no item named 'emma'; did you mean 'ema'?"),
+        # only a hook named by itself becomes {name: ..., setting: ...}; another list's str item takes no key
+        ("validation.metrics.0.x=1", "validation.metrics[0]: cannot set a key inside str 'accuracy'"),
     ],
 )
 def test_malformed_set(override: str, message: str) -> None:

@@ -93,8 +93,15 @@ def _child(node: Any, part: str) -> Any:
 def _descend(node: Any, part: str, path: list[str | int], where: str) -> tuple[Any, str | int]:
     if isinstance(node, list):
         index = _list_index(node, part, path, where)
-        if not isinstance(node[index], dict):
-            node[index] = {"name": node[index]} if isinstance(node[index], str) else {}
+        item = node[index]
+        if isinstance(item, str) and path == ["hooks"]:
+            node[index] = {"name": item}  # a hook named by itself takes settings: {name: ..., setting: ...}
+        elif not isinstance(item, (dict, list)):
+            raise ConfigError(
+                f"cannot set a key inside {describe(item)} (item {index} of the list)",
+                path=(*path, index),
+                location=where,
+            )
         return node[index], index
     if isinstance(node, dict):
         child = node.get(part)
