@@ -11,7 +11,9 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 import re
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +72,8 @@ def build(
     loaded, config = plan.loaded, plan.config
     rank = manager.rank if manager is not None else 0
     world_size = manager.world_size if manager is not None else 1
+    if rank == 0 and strategy_cls is None:  # the writer of the run directory; load_checkpoint may load read-only
+        check_outputs(plan)
     model = _constructing(loaded, ("model",), config.model.factory, lambda: _build_model(plan))
     if not isinstance(model, torch.nn.Module):
         raise loaded.error(
@@ -164,6 +168,82 @@ def build(
     return built
 
 
+def check_outputs(plan: Plan) -> None:
+    """Refuse a run directory, or a hook's output path (``output``, ``checkpoint_dir``...), that cannot be
+    created, so ``validate`` says so and ``train`` fails before its first step, not when it first writes there.
+
+    Each component still to create must fit the file system's name limit (``NAME_MAX``), and
+    the nearest existing folder must take a new entry. That is tried, not read from mode bits
+    (which root ignores, and ``/proc`` does not tell): an empty probe directory is made and
+    removed at once, so nothing is left behind.
+    """
+    from nvtrain.app.hook_stack import output_parameters
+
+    run_dir = plan.run_dir
+    _check_creatable(plan, run_dir, f"the run directory {str(run_dir)!r}", ("output_dir",), last_key=("name",))
+    for index, hook in enumerate(plan.hooks[: len(plan.config.hooks)]):  # the config's hooks, in its order
+        for parameter in output_parameters(type(hook)):
+            value = getattr(hook, parameter, None)
+            if isinstance(value, (str, os.PathLike)) and str(value):
+                what = f"hook {plan.config.hooks[index].name!r}: {parameter} {str(value)!r}"
+                _check_creatable(plan, Path(value), what, ("hooks", index, parameter))
+
+
+def _check_creatable(
+    plan: Plan, target: Path, what: str, key: tuple[str | int, ...], last_key: tuple[str | int, ...] | None = None
+) -> None:
+    """``target`` (a folder or a file) can be created or written: see :func:`check_outputs`."""
+    existing = next((p for p in (target, *target.parents) if _exists(p)), Path("."))
+    if not existing.is_dir():  # a file in the way (prepare() and the hooks' validators name it), or the file itself
+        return
+    limit = _name_max(existing)
+    to_create = target.parts[len(existing.parts) :]
+    for position, part in enumerate(to_create, start=1):
+        size = len(os.fsencode(part))
+        if size > limit:
+            raise plan.loaded.error(
+                f"{_shortened(what)} cannot be created: expected names of at most {limit} bytes, got one of "
+                f"{size} bytes ({_shortened(part)!r})",
+                last_key if last_key is not None and position == len(to_create) else key,
+            )
+    if not to_create:
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise plan.loaded.error(f"{_shortened(what)} must be a writable folder, and it is not", key)
+        return
+    probe = existing / f".nvtrain-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.mkdir()
+    except OSError as err:
+        raise plan.loaded.error(
+            f"{_shortened(what)} cannot be created: expected a writable folder at {str(existing)!r}, got "
+            f"{err.strerror or type(err).__name__}",
+            key,
+        ) from None
+    probe.rmdir()
+
+
+def _name_max(folder: Path) -> int:
+    """The longest name ``folder``'s file system takes, in bytes (255 where the OS does not say)."""
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):  # no pathconf (Windows), or no such setting
+        return 255
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; False where the OS cannot even look it up (a name too long, a symlink loop)."""
+    try:
+        os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _shortened(text: str, keep: int = 40) -> str:
+    """A long name cut in the middle, so the message stays one readable line."""
+    return text if len(text) <= 2 * keep else f"{text[:keep]}...{text[-keep:]}"
+
+
 def _constructing(loaded: LoadedConfig, path: tuple[str | int, ...], what: str, make: Callable[[], Any]) -> Any:
     """Call ``make``; a ValueError / TypeError / ImportError... it raises becomes one located line naming ``what``."""
     from nvtrain.config import ConfigError
@@ -172,10 +252,26 @@ def _constructing(loaded: LoadedConfig, path: tuple[str | int, ...], what: str, 
         return make()
     except ConfigError:
         raise
-    except (ValueError, TypeError, KeyError, IndexError, AssertionError, ImportError) as err:
-        # ImportError: a factory needing what is not installed (the digits job without scikit-learn)
+    except _NOT_REFUSALS:  # out of memory, a failing device or process group: the run's failure, with its traceback
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AssertionError, ImportError, RuntimeError) as err:
+        # ImportError: a factory needing what is not installed (the digits job without scikit-learn);
+        # RuntimeError: what torch raises for an argument it refuses (manual_seed('abc')), as factories do too
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise loaded.error(f"{what}: {text}", _blame(loaded, path, text)) from None
+
+
+def _not_refusals() -> tuple[type[BaseException], ...]:
+    """RuntimeErrors that say nothing about the config: memory, the accelerator, the process group."""
+    kinds: list[type[BaseException]] = [torch.OutOfMemoryError, torch.cuda.OutOfMemoryError]
+    for owner, name in ((torch, "AcceleratorError"), (torch.distributed, "DistError")):
+        kind = getattr(owner, name, None)
+        if isinstance(kind, type) and issubclass(kind, BaseException):
+            kinds.append(kind)
+    return tuple(dict.fromkeys(kinds))
+
+
+_NOT_REFUSALS = _not_refusals()
 
 
 def _blame(loaded: LoadedConfig, path: tuple[str | int, ...], message: str) -> tuple[str | int, ...]:
@@ -409,19 +505,35 @@ def _is_distributed_sampler(sampler: Any) -> bool:
 
 
 def _split_loaders(result: Any, spec: str) -> tuple[Any, Any]:
-    """Accept ``(train, val)``, ``{"train": ..., "validation": ...}`` or a lone train loader."""
+    """Accept ``(train, val)``, ``{"train": ..., "validation": ...}`` or a lone train loader.
+
+    A training loader that is None or not iterable is refused here, so ``validate`` says so, not the run's start.
+    """
     if isinstance(result, Mapping):
         unknown = set(result) - {"train", "validation", "val"}
         if "train" not in result or unknown:
             raise TypeError(
                 f"{spec} returned a mapping with keys {sorted(result)}; expected 'train' and optionally 'validation'"
             )
-        return result["train"], result.get("validation", result.get("val"))
-    if isinstance(result, (tuple, list)):
+        train, val = result["train"], result.get("validation", result.get("val"))
+    elif isinstance(result, (tuple, list)):
         if len(result) != 2:
             raise TypeError(f"{spec} returned {len(result)} items; expected (train, validation)")
-        return result[0], result[1]
-    return result, None
+        train, val = result
+    else:
+        train, val = result, None
+    _check_iterable(train, spec, "training loader", required=True)
+    _check_iterable(val, spec, "validation loader", required=False)
+    return train, val
+
+
+def _check_iterable(loader: Any, spec: str, role: str, *, required: bool) -> None:
+    """A loader must be iterable (a DataLoader, a list of batches); the validation loader may be None."""
+    if loader is None and not required:
+        return
+    if loader is None or not (hasattr(type(loader), "__iter__") or hasattr(type(loader), "__getitem__")):
+        got = "None" if loader is None else f"a {type(loader).__name__}, which is not iterable"
+        raise TypeError(f"{spec} returned {got} as the {role}; expected a loader or an iterable of batches")
 
 
 def _scheduler_factory(plan: Plan, holder: Mapping[str, Any], fresh: dict[str, dict[str, Any]]) -> Any:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import random
 import sys
 import time
@@ -81,6 +83,7 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
         if rank == 0:
             _announce(plan, built)
         strategy = built.strategy
+        missing = _missing_folders(plan.run_dir)  # removed again if the run directory cannot be made
         try:
             with strategy:
                 try:
@@ -88,6 +91,12 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
                 except ResumeError as err:
                     message = f"cannot resume: {with_model_changes(str(err), built)}"
                     raise plan.loaded.error(message, ("hooks",)) from None
+        except OSError as err:  # the run directory could not be made after all (the build checked it can)
+            refusal = _run_dir_refusal(plan, err)
+            if refusal is None:
+                raise
+            _remove_empty(missing)
+            raise refusal from None
         except TrainingDivergedError as err:
             if rank == 0:  # the metrics of the steps it took are worth seeing, the divergence most of all
                 try:
@@ -109,6 +118,45 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
 
             DistributedManager.cleanup()
     return TrainOutcome(exit_code=code, run_dir=plan.run_dir, result=result, seconds=seconds)
+
+
+def _run_dir_refusal(plan: Plan, err: OSError) -> Exception | None:
+    """The one-line config error for an OSError raised creating the run directory (or a folder above it), which
+    happens before the first step, so nothing was trained; None for any other OSError (a full disk included)."""
+    if disk_full(err) is not None or err.filename is None:
+        return None
+    failed = Path(os.fsdecode(err.filename))
+    if failed not in (plan.run_dir, *plan.run_dir.parents) or failed == Path("."):
+        return None
+    reason = err.strerror or type(err).__name__
+    named = failed == plan.run_dir and err.errno == errno.ENAMETOOLONG
+    at = "" if failed == plan.run_dir else f" (making {str(failed)!r})"
+    return plan.loaded.error(
+        f"the run directory {str(plan.run_dir)!r} cannot be created: expected a writable folder, got {reason}{at}",
+        ("name",) if named else ("output_dir",),
+    )
+
+
+def _missing_folders(run_dir: Path) -> list[Path]:
+    """The run directory and the folders above it that do not exist yet, deepest first."""
+    missing = []
+    for path in (run_dir, *run_dir.parents):
+        try:
+            os.stat(path)
+        except (OSError, ValueError):
+            missing.append(path)
+            continue
+        break
+    return missing
+
+
+def _remove_empty(folders: Sequence[Path]) -> None:
+    """Remove what a failed ``mkdir(parents=True)`` made of ``folders`` (deepest first): a refused run leaves nothing."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # never made, or not empty: not ours to remove
+            continue
 
 
 def _announce(plan: Plan, built: Built) -> None:

@@ -61,14 +61,24 @@ def make_loaders(
     seed: int = 0,
     val_batch_size: int = 512,
 ) -> tuple[DataLoader[tuple[torch.Tensor, ...]], DataLoader[tuple[torch.Tensor, ...]]]:
-    """Shuffled training and fixed validation loaders over a seeded split of the digits."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"make_loaders: val_fraction must be in (0, 1) (got {val_fraction!r})")
-    if batch_size < 1 or val_batch_size < 1:
-        raise ValueError(f"make_loaders: batch sizes must be >= 1 (got {batch_size}, {val_batch_size})")
+    """Shuffled training and fixed validation loaders over a seeded split of the digits.
+
+    Each argument is checked by name, so a config's bad value is reported at its key.
+    """
+    _check_fraction("make_loaders", "val_fraction", val_fraction, "in (0, 1)", 0.0, 1.0, closed=False)
+    _check_int("make_loaders", "seed", seed, -(2**63), 2**64 - 1, "from -2**63 to 2**64 - 1")  # torch.manual_seed's
     inputs, labels = load_tensors()
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
-    num_val = round(len(labels) * val_fraction)
+    total = len(labels)
+    for name, size in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
+        _check_batch_size(name, size, total)
+    num_val = round(total * val_fraction)
+    if not 0 < num_val < total:  # round() reaches 0 or all of them near the ends of (0, 1)
+        raise ValueError(
+            f"make_loaders: val_fraction must be in (0, 1) and leave at least one training and one validation "
+            f"sample (got {val_fraction!r}: {num_val} of the {total} samples for validation, {total - num_val} "
+            "for training)"
+        )
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
     val_idx, train_idx = order[:num_val], order[num_val:]
     train = TensorDataset(inputs[train_idx], labels[train_idx])
     val = TensorDataset(inputs[val_idx], labels[val_idx])
@@ -78,12 +88,28 @@ def make_loaders(
     return train_loader, DataLoader(val, batch_size=val_batch_size)
 
 
+#: Bounds of the built-in MLP: far above what 8x8 digits need, well below what exhausts memory
+#: (``depth: 2**70`` allocated layers until the process was killed).
+MAX_HIDDEN = 2**14
+MAX_DEPTH = 1024
+MAX_PARAMETERS = 2**28
+
+
 def make_classifier(hidden: int = 128, depth: int = 2, dropout: float = 0.1) -> torch.nn.Module:
-    """An MLP: ``depth`` hidden layers of ``hidden`` units (GELU, dropout), then 10 logits."""
-    if hidden < 1 or depth < 1:
-        raise ValueError(f"make_classifier: hidden and depth must be >= 1 (got {hidden}, {depth})")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"make_classifier: dropout must be in [0, 1) (got {dropout!r})")
+    """An MLP: ``depth`` hidden layers of ``hidden`` units (GELU, dropout), then 10 logits.
+
+    Each argument is checked by name, and the size is bounded, so a typo is an error, not an allocation
+    that runs until the process is killed.
+    """
+    _check_int("make_classifier", "hidden", hidden, 1, MAX_HIDDEN, f"from 1 to {MAX_HIDDEN}")
+    _check_int("make_classifier", "depth", depth, 1, MAX_DEPTH, f"from 1 to {MAX_DEPTH}")
+    _check_fraction("make_classifier", "dropout", dropout, "in [0, 1)", 0.0, 1.0, closed=True)
+    parameters = (NUM_FEATURES + 1) * hidden + (depth - 1) * (hidden + 1) * hidden + (hidden + 1) * NUM_CLASSES
+    if parameters > MAX_PARAMETERS:
+        raise ValueError(
+            f"make_classifier: depth={depth} layers of hidden={hidden} units must make at most "
+            f"{MAX_PARAMETERS:,} parameters (got {parameters:,}); lower depth or hidden"
+        )
     layers: list[torch.nn.Module] = []
     width = NUM_FEATURES
     for _ in range(depth):
@@ -91,3 +117,39 @@ def make_classifier(hidden: int = 128, depth: int = 2, dropout: float = 0.1) -> 
         width = hidden
     layers.append(torch.nn.Linear(width, NUM_CLASSES))
     return torch.nn.Sequential(*layers)
+
+
+def _is_int(value: object) -> bool:
+    """An int and not a bool: ``batch_size: true`` is a mistake, not a batch of one."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(function: str, name: str, value: object, low: int, high: int, expected: str) -> None:
+    """Refuse what is not an int in ``[low, high]``, naming the argument (``seed: abc`` reached torch before)."""
+    if not _is_int(value):
+        raise TypeError(f"{function}: {name} must be an int {expected} (got {type(value).__name__} {value!r})")
+    assert isinstance(value, int)
+    if not low <= value <= high:
+        raise ValueError(f"{function}: {name} must be an int {expected} (got {value!r})")
+
+
+def _check_batch_size(name: str, value: object, total: int) -> None:
+    """A batch size from 1 to the data set's size: a larger one is a typo (``2**70`` failed deep in the sampler)."""
+    if not _is_int(value):
+        raise TypeError(f"make_loaders: {name} must be an int from 1 to {total} (got {type(value).__name__} {value!r})")
+    assert isinstance(value, int)
+    if value < 1:
+        raise ValueError(f"make_loaders: batch sizes must be >= 1 (got {name}={value})")
+    if value > total:
+        raise ValueError(f"make_loaders: {name} must be at most the data set's {total} samples (got {value})")
+
+
+def _check_fraction(
+    function: str, name: str, value: object, expected: str, low: float, high: float, *, closed: bool
+) -> None:
+    """Refuse a non-number, or one outside ``[low, high)`` (``closed``) or ``(low, high)``, naming the argument."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{function}: {name} must be a number {expected} (got {type(value).__name__} {value!r})")
+    inside = low <= value < high if closed else low < value < high
+    if not inside:  # NaN too
+        raise ValueError(f"{function}: {name} must be {expected} (got {value!r})")

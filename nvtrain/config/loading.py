@@ -64,12 +64,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     else:
         file = Path(path)
         source = str(path)
-        try:
-            text = file.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError("no such config file", location=source) from None
-        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
-            raise ConfigError(f"cannot read the config file ({type(err).__name__}: {err})", location=source) from None
+        text = _read_config_file(file, source)
         directory, stem = file.resolve().parent, file.stem
     data, locations = parse_yaml(text, source)
     if data is None:
@@ -91,6 +86,25 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if config.name is None:
         config = attrs.evolve(config, name=stem)
     return attrs.evolve(loaded, config=config)
+
+
+def _read_config_file(file: Path, source: str) -> str:
+    """The text of the config file; whatever the OS or the decoder refuses (a symlink loop, a path under a
+    file, a name too long, a special file) is one located line naming the file and the reason."""
+    try:
+        return file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("no such config file", location=source) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"cannot read the config file: expected UTF-8 text, got {err}", location=source) from None
+    except OSError as err:
+        reason = err.strerror or str(err) or type(err).__name__
+        raise ConfigError(
+            f"cannot read the config file: expected a readable file, got {reason} ({type(err).__name__})",
+            location=source,
+        ) from None
+    except ValueError as err:  # a NUL character in the path
+        raise ConfigError(f"cannot read the config file: expected a file path, got {err}", location=source) from None
 
 
 def dump_config(config: RunConfig) -> str:

@@ -108,8 +108,18 @@ def _metric_name(instance: Any, attribute: attrs.Attribute[Any], value: str | No
 
 
 def _run_name(instance: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
-    if value is not None and (not value.strip() or "/" in value or "\\" in value or value in (".", "..")):
-        raise _refused(instance, attribute, value, "a plain directory name without slashes")
+    """A name the run directory can be created under: one path component (no NUL, which no OS path holds)."""
+    if value is None:
+        return
+    if not value.strip() or "/" in value or "\\" in value or "\0" in value or value in (".", ".."):
+        raise _refused(instance, attribute, value, "a plain directory name without slashes or NUL characters")
+
+
+def _folder(instance: Any, attribute: attrs.Attribute[Any], value: str) -> None:
+    """A non-empty folder path without NUL characters: the OS refuses those in any path, at the first mkdir."""
+    _non_empty(instance, attribute, value)
+    if "\0" in value:
+        raise _refused(instance, attribute, value, "a folder path without NUL characters")
 
 
 def _scheduler_factory(instance: Any, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -355,7 +365,7 @@ class RunConfig:
         metadata=_doc("Run name: the run directory is `output_dir/name` (default: the config file's stem)."),
     )
     output_dir: str = attrs.field(
-        default="runs", validator=_non_empty, metadata=_doc("Parent folder of run directories.")
+        default="runs", validator=_folder, metadata=_doc("Parent folder of run directories.")
     )
     seed: int = attrs.field(
         default=0,

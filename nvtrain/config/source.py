@@ -52,20 +52,39 @@ def _loader_class() -> Any:
     return _LOADER
 
 
+#: How deep a config may nest mappings and lists: far beyond any real config, well inside Python's
+#: recursion limit (PyYAML composes a node per stack frame, and later steps copy the data recursively).
+MAX_DEPTH = 100
+
+
 def parse_yaml(text: str, source: str) -> tuple[Any, dict[ConfigPath, str]]:
-    """Parse ``text``; return the data and the ``file:line:col`` of every key and list item."""
+    """Parse ``text``; return the data and the ``file:line:col`` of every key and list item.
+
+    Whatever PyYAML refuses (a syntax error, a control character, nesting deeper than
+    the stack allows) is a located :class:`ConfigError`, as are a recursive alias and
+    nesting deeper than :data:`MAX_DEPTH`.
+    """
     yaml = yaml_module()
-    loader = _loader_class()(text)
     locations: dict[ConfigPath, str] = {}
+    loader = None
     try:
+        loader = _loader_class()(text)  # it reads the whole text at once: a control character stops it here
         node = loader.get_single_node()
-        data = {} if node is None else _construct(loader, node, (), locations, source)
+        data = {} if node is None else _construct(loader, node, (), locations, source, ())
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = _mark(source, mark) if mark is not None else source
         raise ConfigError(f"invalid YAML: {err.problem or err.context}", location=where) from None
+    except yaml.reader.ReaderError as err:  # a control character: not a MarkedYAMLError, but it has a position
+        raise _reader_error(err, text, source) from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"invalid YAML: {_first_line(err)}", location=source) from None
+    except RecursionError:  # PyYAML composes nested nodes recursively
+        where = _mark(source, loader.get_mark()) if loader is not None else source
+        raise ConfigError(_too_deep("more levels than the parser can follow"), location=where) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return data, locations
 
 
@@ -73,8 +92,49 @@ def _mark(source: str, mark: Any) -> str:
     return f"{source}:{mark.line + 1}:{mark.column + 1}"
 
 
-def _construct(loader: Any, node: Any, path: ConfigPath, locations: dict[ConfigPath, str], source: str) -> Any:
+def _too_deep(got: str) -> str:
+    return f"nested too deeply: expected at most {MAX_DEPTH} levels of mappings and lists, got {got}"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _reader_error(err: Any, text: str, source: str) -> ConfigError:
+    """A character YAML does not allow (``\\x01`` in a comment, in a ``--set`` value), at its line and column."""
+    character = err.character
+    shown = f"#x{character:04x}" if isinstance(character, int) else repr(character)
+    position = err.position if isinstance(err.position, int) and 0 <= err.position <= len(text) else None
+    where = _printable(source)
+    if position is not None:
+        line = text.count("\n", 0, position)
+        column = position - (text.rfind("\n", 0, position) + 1)
+        where = f"{where}:{line + 1}:{column + 1}"
+    return ConfigError(
+        f"invalid YAML: expected printable text, got the control character {shown} ({err.reason})", location=where
+    )
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped, so a location quoting a ``--set`` value stays one readable line."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
+def _construct(
+    loader: Any,
+    node: Any,
+    path: ConfigPath,
+    locations: dict[ConfigPath, str],
+    source: str,
+    ancestors: tuple[int, ...],
+) -> Any:
+    """The data of ``node``, recording locations. ``ancestors`` holds the ids of the nodes above it: an alias
+    to one of them (``hooks: &h [*h]``) would recurse forever."""
     yaml = yaml_module()
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+        _check_nesting(node, path, source, ancestors)
+        ancestors = (*ancestors, id(node))
     if isinstance(node, yaml.MappingNode):
         loader.flatten_mapping(node)
         result: dict[Any, Any] = {}
@@ -91,12 +151,25 @@ def _construct(loader: Any, node: Any, path: ConfigPath, locations: dict[ConfigP
                     location=_mark(source, key_node.start_mark),
                 )
             locations[(*path, key)] = _mark(source, key_node.start_mark)
-            result[key] = _construct(loader, value_node, (*path, key), locations, source)
+            result[key] = _construct(loader, value_node, (*path, key), locations, source, ancestors)
         return result
     if isinstance(node, yaml.SequenceNode):
         items = []
         for index, item in enumerate(node.value):
             locations[(*path, index)] = _mark(source, item.start_mark)
-            items.append(_construct(loader, item, (*path, index), locations, source))
+            items.append(_construct(loader, item, (*path, index), locations, source, ancestors))
         return items
     return loader.construct_object(node, deep=True)
+
+
+def _check_nesting(node: Any, path: ConfigPath, source: str, ancestors: tuple[int, ...]) -> None:
+    """Refuse a mapping or list that contains itself through an alias, or nests deeper than :data:`MAX_DEPTH`."""
+    if id(node) in ancestors:
+        raise ConfigError(
+            "recursive alias: expected a value, got an alias to a mapping or list that contains it",
+            path=path,
+            location=_mark(source, node.start_mark),
+        )
+    if len(ancestors) >= MAX_DEPTH:  # named by its first keys: the line and column point at the deep end
+        where = _mark(source, node.start_mark)
+        raise ConfigError(_too_deep(f"more than {MAX_DEPTH}"), path=path[:3], location=where)
