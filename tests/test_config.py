@@ -288,6 +288,12 @@ def test_malformed_set(override: str, message: str) -> None:
     assert err.location == f"--set {override}" and message in str(err)
 
 
+def test_an_error_about_a_list_a_set_changed_an_item_of_is_located_at_that_set() -> None:
+    """The error is about validation.metrics; the --set that put 'acc' in it is where it came from."""
+    err = error_of(None, "validation.metrics.0=acc")
+    assert err.location == "--set validation.metrics.0=acc" and err.path == ("validation", "metrics")
+
+
 # -- errors found by prepare(): imports, signatures, hooks ---------------------------------------
 
 

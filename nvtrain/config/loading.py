@@ -36,8 +36,22 @@ class LoadedConfig:
     name_given: bool = False
 
     def locate(self, path: Sequence[str | int]) -> str:
-        """The nearest recorded location of ``path`` (or of its closest parent)."""
+        """The nearest recorded location of ``path`` (or of its closest parent).
+
+        A ``--set`` that changed something inside ``path`` (``validation.metrics.0=acc`` for an error
+        about ``validation.metrics``, ``model.factory=...`` for one about ``model``) is where the problem
+        came from, so it wins over the file's line; a list item keeps its own.
+        """
         key = tuple(path)
+        if key and not isinstance(key[-1], int):  # a list item keeps its own line (a hook named in the file)
+            inside = [
+                where
+                for recorded, where in self.locations.items()
+                if len(recorded) > len(key) and recorded[: len(key)] == key and where.startswith("--set ")
+            ]
+            own = self.locations.get(key)
+            if inside and (own is None or not own.startswith("--set ")):
+                return inside[-1]  # the last one applied
         while key:
             if key in self.locations:
                 return self.locations[key]
