@@ -40,6 +40,24 @@ SignalLike = int | str | signal.Signals
 #: Signals a process cannot catch; asking for them is a configuration error.
 _UNCATCHABLE = frozenset(getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name))
 
+#: Signals that say something else than "stop": a child process ended (every DataLoader worker does),
+#: the terminal was resized, a stopped process continues; or a fault in this very process, which Python
+#: cannot resume from. Taken as a preemption, they would stop healthy runs.
+_NOT_A_STOP_REQUEST = {
+    getattr(signal, name): why
+    for name, why in (
+        ("SIGCHLD", "a child process ended (every DataLoader worker sends it)"),
+        ("SIGWINCH", "the terminal was resized"),
+        ("SIGCONT", "a stopped process continues"),
+        ("SIGURG", "urgent socket data arrived"),
+        ("SIGSEGV", "a memory fault in this process, which Python cannot continue after"),
+        ("SIGBUS", "a bus error in this process, which Python cannot continue after"),
+        ("SIGFPE", "an arithmetic fault in this process, which Python cannot continue after"),
+        ("SIGILL", "an illegal instruction in this process, which Python cannot continue after"),
+    )
+    if hasattr(signal, name)
+}
+
 
 def resolve_signals(
     spec: SignalLike | Sequence[SignalLike] | None, owner: str = "preemption_signal"
@@ -47,7 +65,8 @@ def resolve_signals(
     """Turn ``"SIGTERM"``, ``"TERM"``, ``15``, ``signal.SIGUSR1`` or a list of them into signals.
 
     ``None`` (or an empty list) disables preemption handling. Unknown names and
-    numbers, and the uncatchable ``SIGKILL`` / ``SIGSTOP``, raise ``ValueError``
+    numbers, the uncatchable ``SIGKILL`` / ``SIGSTOP``, and signals that mean something
+    else (``SIGCHLD``, ``SIGWINCH``, a fault such as ``SIGSEGV``) raise ``ValueError``
     naming ``owner``.
     """
     if spec is None:
@@ -59,6 +78,11 @@ def resolve_signals(
         if sig in _UNCATCHABLE:
             raise ValueError(
                 f"{owner}: {sig.name} cannot be caught by a process; use SIGTERM or SIGUSR1 (got {item!r})"
+            )
+        if sig in _NOT_A_STOP_REQUEST:
+            raise ValueError(
+                f"{owner}: {sig.name} means {_NOT_A_STOP_REQUEST[sig]}, not a request to stop; use SIGTERM, SIGINT "
+                f"or SIGUSR1 (got {item!r})"
             )
         if sig not in resolved:
             resolved.append(sig)

@@ -46,6 +46,9 @@ def test_resolve_signals_accepts_names_numbers_and_lists() -> None:
         ("SIGBOGUS", r"cfg: 'SIGBOGUS' is not a signal name"),
         (10_000, r"cfg: 10000 is not a signal number"),
         (signal.SIGKILL, r"cfg: SIGKILL cannot be caught"),
+        ("SIGCHLD", r"cfg: SIGCHLD means a child process ended \(every DataLoader worker sends it\), not a request"),
+        (["SIGTERM", "WINCH"], r"cfg: SIGWINCH means the terminal was resized, not a request to stop"),
+        (signal.SIGSEGV, r"cfg: SIGSEGV means a memory fault in this process"),
         (True, r"cfg must be a signal name, number or a list of them \(got bool True\)"),
     ],
 )
