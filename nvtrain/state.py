@@ -326,12 +326,16 @@ def apply_state(strategy: TrainingStrategy, state: Mapping[str, Any], *, schedul
     apply_rng_state(_rank_rng(strategy, state), ctx.train_loader)
 
 
-def check_restorable(strategy: TrainingStrategy, state: Mapping[str, Any], *, scheduler: bool = True) -> None:
+def check_restorable(
+    strategy: TrainingStrategy, state: Mapping[str, Any], *, scheduler: bool = True, weights: bool = True
+) -> None:
     """Refuse, changing nothing, a state :func:`apply_state` would refuse part of the way through.
 
     Every part that can be refused (names, weights, optimizer and LR scheduler states, counters,
     the step scheduler's data position when ``scheduler``, RNG states) is checked before any is
     loaded, so a refused state leaves the strategy as it was and a retried run refuses it again.
+    ``weights=False`` leaves the models' and optimizers' states out: a sharded checkpoint checks
+    the rest of its state with it before loading those through DCP.
     """
     check_state(state)
     ctx = strategy.ctx
@@ -345,10 +349,10 @@ def check_restorable(strategy: TrainingStrategy, state: Mapping[str, Any], *, sc
             "state after the window's last micro-batch"
         )
     _check_optimizer_classes(state.get("optimizer_classes"), ctx.optimizers)
-    for name, model in ctx.models.items():
+    for name, model in ctx.models.items() if weights else ():
         _check_weights(name, model, state["models"][name])
         check_model_fits(name, model, state["models"][name])
-    for name, optimizer in ctx.optimizers.items():
+    for name, optimizer in ctx.optimizers.items() if weights else ():
         _check_mapping(f"optimizers[{name!r}]", state["optimizers"][name], "an optimizer state dict")
         _check_optimizer_fits(name, optimizer, state["optimizers"][name])
     for name, sched in ctx.lr_schedulers.items():
@@ -708,8 +712,7 @@ def load_state(strategy: TrainingStrategy, state: Mapping[str, Any], source: str
     position waits for the next run; called during BEFORE_TRAINING, nothing waits.
     """
     check_state(state, source)
-    ctx = strategy.ctx
-    in_run_start = ctx.stage == TrainingStage.BEFORE_TRAINING and ctx.scheduler is not None
+    in_run_start = applies_data_position_now(strategy)
     if not strategy.is_set_up:
         _pending(strategy).hold(state, source, scheduler_only=False)
         return
@@ -720,6 +723,13 @@ def load_state(strategy: TrainingStrategy, state: Mapping[str, Any], source: str
         raise
     if not in_run_start:
         _pending(strategy).hold(state, source, scheduler_only=True)
+
+
+def applies_data_position_now(strategy: TrainingStrategy) -> bool:
+    """Whether a state restored now takes its data position at once: at a run's start (BEFORE_TRAINING, its
+    step scheduler built); otherwise the position waits for the next run."""
+    ctx = strategy.ctx
+    return ctx.stage == TrainingStage.BEFORE_TRAINING and ctx.scheduler is not None
 
 
 def apply_held_state(strategy: TrainingStrategy) -> None:

@@ -43,8 +43,10 @@ import torch.distributed as dist
 
 from nvtrain.errors import ResumeError
 from nvtrain.state import (
+    applies_data_position_now,
     capture_rng_state,
     capture_state,
+    check_restorable,
     check_state,
     checkpointable_hooks,
     load_state,
@@ -385,6 +387,9 @@ def load_sharded(
                 f"the checkpoint's {kind} are {sorted(rest[kind])} but this strategy has {sorted(live)}; "
                 "build the strategy with the same names as the one that saved it"
             )
+    # The rest of the state (counters, RNG, LR schedulers, the data position) is checked before DCP loads the
+    # weights and optimizer states: a refusal then leaves the strategy as it was.
+    check_restorable(strategy, rest, scheduler=applies_data_position_now(strategy), weights=False)
     metadata = read_dcp_metadata(directory / SHARDED_DIR / METADATA_NAME)
     markers: dict[str, torch.Tensor] = {}
     _extract_markers(rest["hooks"], markers)

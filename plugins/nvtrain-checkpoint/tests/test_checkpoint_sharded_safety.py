@@ -165,7 +165,7 @@ def test_a_checkpoint_of_another_model_shape_is_refused_naming_it(
     root, _ = sharded
     torch.manual_seed(0)
     other = torch.nn.Sequential(torch.nn.Linear(3, 9), torch.nn.Tanh(), torch.nn.Linear(9, 2))
-    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randn(8, 2))
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16, 2))  # the saved data position fits
     strategy = nvtrain.TrainingStrategy(
         other,
         functools.partial(torch.optim.AdamW, lr=0.01),
@@ -175,3 +175,34 @@ def test_a_checkpoint_of_another_model_shape_is_refused_naming_it(
     )
     with strategy, pytest.raises(ResumeError, match=r"checkpoint '.*step_4' does not fit this strategy's models"):
         strategy.run(torch.utils.data.DataLoader(data, batch_size=4))
+
+
+def test_a_refused_data_position_leaves_the_sharded_model_as_it_was(
+    sharded: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """The step scheduler refuses another global batch size; DCP must not have loaded the weights before."""
+    from nvtrain_fsdp import FSDPHook
+
+    from nvtrain.step_scheduler import StepSchedulerConfig
+
+    root, saved = sharded
+    torch.manual_seed(7)  # other initial weights than the checkpoint's
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16, 2))
+    strategy = nvtrain.TrainingStrategy(
+        model,
+        functools.partial(torch.optim.AdamW, lr=0.01),
+        torch.nn.functional.mse_loss,
+        hooks=[FSDPHook(), CheckpointHook(tmp_path / "new", resume=root / "step_2")],
+        device="cpu",
+        step_scheduler=StepSchedulerConfig(num_epochs=1, global_batch_size=8, ckpt_every_steps=None),
+    )
+    strategy.setup()
+    before = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    assert not all(torch.equal(before[k], saved[k]) for k in saved)
+    with strategy, pytest.raises(ResumeError, match=r"global_batch_size"):
+        strategy.run(torch.utils.data.DataLoader(data, batch_size=4))
+    after = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    assert strategy.ctx.step_count == 0 and not strategy.ctx.optimizers["main"].state
