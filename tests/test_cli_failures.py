@@ -258,6 +258,11 @@ def test_a_user_module_that_raises_on_import_is_one_line_exit_2(
         (["validation.metrics=[math:pi]"], "validation.metrics[0]", "math:pi is not callable as fn(outputs, targets)"),
         (["hooks=[{name: ema, model_key: nope}]"], "hooks", "SETUP: EMAHook.model_key: no model named 'nope'"),
         (
+            ["hooks=[{name: checkpoint, checkpoint_dir: ck}, {name: checkpoint, checkpoint_dir: ck, keep_last_n: 1}]"],
+            "hooks",
+            "SETUP: CheckpointHook.checkpoint_dir: two checkpoint hooks write to",
+        ),
+        (
             ["lr_scheduler={factory: step, kwargs: {step_size: '10'}}"],
             "lr_scheduler.kwargs",
             "step fails when stepped with these kwargs: TypeError: unsupported operand type(s)",

@@ -212,6 +212,20 @@ class CheckpointHook:
 
     # -- stages ----------------------------------------------------------------------------
 
+    @nvtrain.hookimpl
+    def setup(self, ctx: nvtrain.TrainingContext) -> None:
+        """Refuse a second checkpoint hook writing to this directory (``nvtrain validate`` runs SETUP too)."""
+        mine = Path(os.path.abspath(self.checkpoint_dir))
+        for hook in strategy_hooks(ctx.strategy):  # type: ignore[arg-type]
+            if hook is self or not isinstance(hook, CheckpointHook):
+                continue
+            if Path(os.path.abspath(hook.checkpoint_dir)) == mine:
+                raise ValueError(
+                    f"CheckpointHook.checkpoint_dir: two checkpoint hooks write to {str(mine)!r}; each would replace "
+                    "the other's step_<N> directories and latest pointer and rotate the other's checkpoints out "
+                    "(keep_last_n). Give each hook its own checkpoint_dir"
+                )
+
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_FIRST)
     def before_training(self, ctx: nvtrain.TrainingContext) -> None:
         """Resume (first, so every other hook starts from the restored state).

@@ -770,3 +770,21 @@ def test_the_mixed_precision_scaler_resumes(driver: ModuleType, tmp_path: Path) 
     assert again.state_dict() == first.state_dict()
     driver.assert_same([e for e in reference["losses"] if e[0] > 8], recorder.losses)
     driver.assert_same(reference["params"], driver.summary(strategy, recorder)["params"])
+
+
+def test_two_checkpoint_hooks_on_one_directory_are_refused_at_setup(tmp_path: Path) -> None:
+    def strategy(*hooks: CheckpointHook) -> nvtrain.TrainingStrategy:
+        return nvtrain.TrainingStrategy(
+            torch.nn.Linear(3, 1),
+            functools.partial(torch.optim.SGD, lr=0.1),
+            torch.nn.functional.mse_loss,
+            hooks=list(hooks),
+            device="cpu",
+        )
+
+    same = strategy(CheckpointHook(tmp_path / "ckpt"), CheckpointHook(tmp_path / "other" / ".." / "ckpt", keep_last_n=1))
+    with pytest.raises(ValueError, match=r"two checkpoint hooks write to '.*ckpt'; each would replace the other's"):
+        same.setup()
+    apart = strategy(CheckpointHook(tmp_path / "every"), CheckpointHook(tmp_path / "last", keep_last_n=1))
+    apart.setup()  # two directories: a full history beside the newest one is fine
+    assert not list(tmp_path.iterdir())  # nothing written at SETUP
