@@ -351,7 +351,7 @@ class StepScheduler:
                         self._advance_epoch()
                     raise
                 if self._open and self._provisional:  # the seed's loop: asking for the next window closes this one
-                    self._close(stepped=True)
+                    self._close(stepped=True, poll=True)
                 elif self._open:
                     self._open = False
                     self._replay = (window, is_last)
@@ -375,23 +375,22 @@ class StepScheduler:
         """
         if not self._open or self._window is None:
             raise RuntimeError("StepScheduler.finish_step(): no open window (called twice, or outside the loop)")
-        if self._provisional:
-            self._revert_provisional()
         self.finish_step_required = True  # a loop that calls it once calls it for every window
-        if stepped:
-            self.step += 1
-        return self._close(stepped)
+        return self._finish(stepped, poll=True)
 
     def close_failed_step(self) -> None:
         """Close the open window of a step that was taken before something raised: count it and record its
         data as consumed, so a later run does not take it again. Polls nothing: a failing rank must not
         start a collective the others may never join."""
-        if not self._open or self._window is None:
-            return
+        if self._open and self._window is not None:
+            self._finish(True, poll=False)
+
+    def _finish(self, stepped: bool, *, poll: bool) -> bool:
         if self._provisional:
             self._revert_provisional()
-        self.step += 1
-        self._close(True, poll=False)
+        if stepped:
+            self.step += 1
+        return self._close(stepped, poll)
 
     def _count_provisionally(self) -> None:
         """Seed semantics while a window is open: it counts as a step, and the predicates describe it."""
@@ -418,7 +417,7 @@ class StepScheduler:
             and (self.synchronized_stream or (self.epoch_limit is not None and self.epoch + 1 >= self.epoch_limit))
         )
 
-    def _close(self, stepped: bool, poll: bool = True) -> bool:
+    def _close(self, stepped: bool, poll: bool) -> bool:
         """The step boundary: record the window's data as consumed and poll preemption once (unless not ``poll``)."""
         self._provisional = False
         self._open = False

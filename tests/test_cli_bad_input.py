@@ -230,7 +230,7 @@ def test_a_run_directory_that_fails_at_the_start_is_one_line_and_leaves_nothing(
         (
             "data.kwargs.batch_size=1180591620717411303424",
             "data.kwargs.batch_size",
-            "batch_size must be at most the data set's 1797 samples",
+            "batch_size must be an int from 1 to the data set's 1797 samples",
         ),
         (
             "data.kwargs.val_fraction=0.9999",

@@ -152,7 +152,7 @@ def sets(*overrides: str) -> list[str]:
         ("hooks=[{name: amp, precision: auto}, {name: amp, precision: auto}]", "hooks", "exclusive key"),
         ("hooks=[{name: accumulate, steps: 2}, {name: accumulate, steps: 2}]", "hooks", "exclusive key"),
         ("optimizer.kwargs.lr=-1", "optimizer.kwargs.lr", "Invalid learning rate: -1"),
-        ("data.kwargs.batch_size=0", "data.kwargs.batch_size", "batch sizes must be >= 1"),
+        ("data.kwargs.batch_size=0", "data.kwargs.batch_size", "batch_size must be an int from 1 to the data set's"),
         ("data.kwargs.val_fraction=1.5", "data.kwargs.val_fraction", "val_fraction must be in (0, 1)"),
     ],
 )

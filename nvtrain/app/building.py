@@ -193,7 +193,7 @@ def _check_creatable(
     plan: Plan, target: Path, what: str, key: tuple[str | int, ...], last_key: tuple[str | int, ...] | None = None
 ) -> None:
     """``target`` (a folder or a file) can be created or written: see :func:`check_outputs`."""
-    existing = next((p for p in (target, *target.parents) if _exists(p)), Path("."))
+    _, existing = folders_to_create(target)
     if not existing.is_dir():  # a file in the way (prepare() and the hooks' validators name it), or the file itself
         return
     limit = _name_max(existing)
@@ -230,13 +230,18 @@ def _name_max(folder: Path) -> int:
         return 255
 
 
-def _exists(path: Path) -> bool:
-    """Whether ``path`` exists; False where the OS cannot even look it up (a name too long, a symlink loop)."""
-    try:
-        os.stat(path)
-    except (OSError, ValueError):
-        return False
-    return True
+def folders_to_create(path: Path) -> tuple[list[Path], Path]:
+    """``path`` and the folders above it that do not exist yet (deepest first), and the nearest one that does;
+    a path the OS cannot even look up (a name too long, a symlink loop) counts as not existing."""
+    missing = []
+    for candidate in (path, *path.parents):
+        try:
+            os.stat(candidate)
+        except (OSError, ValueError):
+            missing.append(candidate)
+            continue
+        return missing, candidate
+    return missing, Path(".")
 
 
 def _shortened(text: str, keep: int = 40) -> str:
@@ -334,7 +339,7 @@ def _check_saved_position(plan: Plan, built: Built, state: Mapping[str, Any] | N
         return
     scheduler = _run_scheduler(plan.config, built.train_loader, built.train_loader, 1, _accumulation(plan))
     try:
-        scheduler.load_state_dict(dict(saved))
+        scheduler.check_state_dict(dict(saved))
     except ValueError as err:
         raise plan.loaded.error(f"cannot resume: {with_model_changes(str(err), built)}", ("hooks",)) from None
 

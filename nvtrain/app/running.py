@@ -15,7 +15,7 @@ from typing import Any, TextIO
 import attrs
 import torch
 
-from nvtrain.app.building import Built, build
+from nvtrain.app.building import Built, build, folders_to_create
 from nvtrain.app.checking import Plan, env_world_size
 from nvtrain.app.resume_plan import with_model_changes
 from nvtrain.app.run_watch import RunWatch
@@ -83,7 +83,7 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
         if rank == 0:
             _announce(plan, built)
         strategy = built.strategy
-        missing = _missing_folders(plan.run_dir)  # removed again if the run directory cannot be made
+        missing, _ = folders_to_create(plan.run_dir)  # removed again if the run directory cannot be made
         try:
             with strategy:
                 try:
@@ -135,19 +135,6 @@ def _run_dir_refusal(plan: Plan, err: OSError) -> Exception | None:
         f"the run directory {str(plan.run_dir)!r} cannot be created: expected a writable folder, got {reason}{at}",
         ("name",) if named else ("output_dir",),
     )
-
-
-def _missing_folders(run_dir: Path) -> list[Path]:
-    """The run directory and the folders above it that do not exist yet, deepest first."""
-    missing = []
-    for path in (run_dir, *run_dir.parents):
-        try:
-            os.stat(path)
-        except (OSError, ValueError):
-            missing.append(path)
-            continue
-        break
-    return missing
 
 
 def _remove_empty(folders: Sequence[Path]) -> None:

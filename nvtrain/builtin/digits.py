@@ -69,8 +69,8 @@ def make_loaders(
     _check_int("make_loaders", "seed", seed, -(2**63), 2**64 - 1, "from -2**63 to 2**64 - 1")  # torch.manual_seed's
     inputs, labels = load_tensors()
     total = len(labels)
-    for name, size in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
-        _check_batch_size(name, size, total)
+    for name, size in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):  # 2**70 failed in the sampler
+        _check_int("make_loaders", name, size, 1, total, f"from 1 to the data set's {total} samples")
     num_val = round(total * val_fraction)
     if not 0 < num_val < total:  # round() reaches 0 or all of them near the ends of (0, 1)
         raise ValueError(
@@ -119,29 +119,12 @@ def make_classifier(hidden: int = 128, depth: int = 2, dropout: float = 0.1) -> 
     return torch.nn.Sequential(*layers)
 
 
-def _is_int(value: object) -> bool:
-    """An int and not a bool: ``batch_size: true`` is a mistake, not a batch of one."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_int(function: str, name: str, value: object, low: int, high: int, expected: str) -> None:
     """Refuse what is not an int in ``[low, high]``, naming the argument (``seed: abc`` reached torch before)."""
-    if not _is_int(value):
+    if isinstance(value, bool) or not isinstance(value, int):  # ``batch_size: true`` is a mistake, not a batch of one
         raise TypeError(f"{function}: {name} must be an int {expected} (got {type(value).__name__} {value!r})")
-    assert isinstance(value, int)
     if not low <= value <= high:
         raise ValueError(f"{function}: {name} must be an int {expected} (got {value!r})")
-
-
-def _check_batch_size(name: str, value: object, total: int) -> None:
-    """A batch size from 1 to the data set's size: a larger one is a typo (``2**70`` failed deep in the sampler)."""
-    if not _is_int(value):
-        raise TypeError(f"make_loaders: {name} must be an int from 1 to {total} (got {type(value).__name__} {value!r})")
-    assert isinstance(value, int)
-    if value < 1:
-        raise ValueError(f"make_loaders: batch sizes must be >= 1 (got {name}={value})")
-    if value > total:
-        raise ValueError(f"make_loaders: {name} must be at most the data set's {total} samples (got {value})")
 
 
 def _check_fraction(

@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from nvtrain.config.errors import ConfigError, ConfigPath, describe
+from nvtrain.errors import first_line
 
 __all__ = ["parse_yaml", "yaml_module"]
 
@@ -78,7 +79,7 @@ def parse_yaml(text: str, source: str) -> tuple[Any, dict[ConfigPath, str]]:
     except yaml.reader.ReaderError as err:  # a control character: not a MarkedYAMLError, but it has a position
         raise _reader_error(err, text, source) from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"invalid YAML: {_first_line(err)}", location=source) from None
+        raise ConfigError(f"invalid YAML: {first_line(err) or type(err).__name__}", location=source) from None
     except RecursionError:  # PyYAML composes nested nodes recursively
         where = _mark(source, loader.get_mark()) if loader is not None else source
         raise ConfigError(_too_deep("more levels than the parser can follow"), location=where) from None
@@ -94,11 +95,6 @@ def _mark(source: str, mark: Any) -> str:
 
 def _too_deep(got: str) -> str:
     return f"nested too deeply: expected at most {MAX_DEPTH} levels of mappings and lists, got {got}"
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _reader_error(err: Any, text: str, source: str) -> ConfigError:

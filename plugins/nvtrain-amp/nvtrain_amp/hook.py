@@ -266,7 +266,7 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
                 scaler.unscale_(optimizer)
                 done += 1
         finally:  # also when one raises: those unscaled before it are due an update()
-            self._unscaled = unscaled if done == len(unscaled) else unscaled[:done]
+            self._unscaled = unscaled[:done]  # the tuple itself when all were
         if len(unscaled) > 1:
             _skip_together(scaler, unscaled)
         self._batch_stepped = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import json
 import logging
 import os
 import sys
@@ -616,9 +615,9 @@ def _refuse_newer_format(path: Path) -> None:
     aside, and a run resumed from an older step would replace it with its save of that step
     or rotate it out (``keep_last_n``); so no run of this version resumes in its directory.
     """
-    manifest = _raw_manifest(path)
-    version = manifest.get("format_version")
-    if type(version) is not int or version <= storage.FORMAT_VERSION:
+    manifest = storage.raw_manifest(path)
+    version = storage.newer_format(manifest)
+    if manifest is None or version is None:
         return  # this format, or one no version writes (damage: passed over as such)
     plugins = manifest.get("plugins")
     plugin = plugins.get(CheckpointHook.plugin_name) if isinstance(plugins, dict) else None
@@ -630,15 +629,6 @@ def _refuse_newer_format(path: Path) -> None:
         f"{storage.FORMAT_VERSION}); it is left as it is. Install {wrote} to resume from it, or set checkpoint_dir "
         "to another directory to run without it"
     )
-
-
-def _raw_manifest(path: Path) -> dict[str, Any]:
-    """The manifest's JSON as it is, unchecked ({} when it cannot be read or is no JSON object)."""
-    try:
-        manifest = json.loads((path / storage.MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
 
 
 def _require_directory(path: Path) -> None:

@@ -61,6 +61,8 @@ __all__ = [
     "incomplete_checkpoints",
     "latest_checkpoint",
     "list_checkpoints",
+    "newer_format",
+    "raw_manifest",
     "read_checkpoint",
     "read_checkpoint_manifest",
     "read_manifest",
@@ -328,7 +330,7 @@ def apply_retention(root: Path, keep_last_n: int | None, *, discard: Discard = d
         if info.path.name not in keep
         and info.path.name != pointed
         and not info.path.name.startswith(REPLACED_PREFIX)  # an interrupted replacement: the next save puts it back
-        and not _newer_format(info.path)  # a later version's checkpoint: not this version's to rotate out
+        and newer_format(raw_manifest(info.path)) is None  # a later version's: not this one's to rotate out
     ]
     if removed:
         trash = [retire(path) for path in removed]
@@ -337,23 +339,29 @@ def apply_retention(root: Path, keep_last_n: int | None, *, discard: Discard = d
     return removed
 
 
-def _newer_format(directory: Path) -> bool:
-    """Whether the checkpoint's manifest names a format later than the one this version writes."""
+def raw_manifest(directory: Path) -> dict[str, Any] | None:
+    """The manifest's JSON as it is, unchecked: None when it cannot be read as JSON, {} when it is no object.
+
+    For the decisions that look at one field of any checkpoint, damaged or not (retention, a resume's
+    scan); loading goes through :func:`read_manifest`, which checks every field.
+    """
     try:
         manifest = json.loads((directory / MANIFEST_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    return type(version) is int and version > FORMAT_VERSION
+        return None
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def newer_format(manifest: Mapping[str, Any] | None) -> int | None:
+    """The manifest's format version when a later one than this version reads and writes (else None)."""
+    version = manifest.get("format_version") if manifest is not None else None
+    return version if type(version) is int and version > FORMAT_VERSION else None
 
 
 def is_healthy(directory: Path) -> bool:
     """The manifest's ``healthy`` mark: False only when the saved step's loss was known to be NaN/inf."""
-    try:
-        manifest = json.loads((directory / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return not (isinstance(manifest, dict) and manifest.get("healthy") is False)
+    manifest = raw_manifest(directory)
+    return manifest is not None and manifest.get("healthy") is not False
 
 
 # -- finding ------------------------------------------------------------------------------------
