@@ -168,6 +168,22 @@ def _check_names(field: str, names: Iterable[str], kind: str, known: Mapping[str
 # -- the strategy -----------------------------------------------------------------------
 
 
+@attrs.define
+class _EpochEnd:
+    """A completed epoch's end work, in order; each flag is cleared once its part is done."""
+
+    epoch: int
+    #: Where the epoch ended: a run() that starts anywhere else does not finish this end.
+    step_count: int
+    epoch_step_count: int
+    #: The validation's summary is still to be computed (the metric-driven LR schedulers step with it).
+    evaluate: bool
+    #: The per-epoch LR schedulers are still to step.
+    step_schedules: bool
+    #: AFTER_VALIDATION is still to fire with the computed summary.
+    announce: bool = False
+
+
 @attrs.define(eq=False)
 class TrainingStrategy:
     """Trains ``models`` with ``optimizers``; features arrive as hooks on the bus.
@@ -210,9 +226,9 @@ class TrainingStrategy:
     _schedules: tuple[ScheduledLR, ...] = attrs.field(init=False, default=())
     #: What the last run read from, released when this strategy is collected unclosed (see run_release).
     _live_data: LiveData = attrs.field(init=False, factory=LiveData)
-    #: The epoch whose end work (validation, per-epoch LR step, AFTER_EPOCH) is under way; still set when it
-    #: raised, so the next run() can say that it does not redo it.
-    _epoch_end_interrupted: int | None = attrs.field(init=False, default=None)
+    #: What is left of a completed epoch's end work (validation, per-epoch LR step, AFTER_EPOCH); still set
+    #: when that work raised, so that the next run() finishes it before the next epoch starts.
+    _unfinished_epoch_end: _EpochEnd | None = attrs.field(init=False, default=None)
 
     @loss_fn.validator
     def _check_loss_fn(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -327,7 +343,7 @@ class TrainingStrategy:
                 ctx.stage = _BEFORE_TRAINING
                 bus.before_training(ctx)
                 self._follow_scheduler(scheduler)
-                self._warn_interrupted_epoch_end(scheduler)
+                self._finish_interrupted_epoch_end(scheduler)
                 if scheduler.validation_owed:
                     self._validate_owed(scheduler)
                 for epoch in scheduler.epochs:
@@ -391,37 +407,58 @@ class TrainingStrategy:
         # a completed epoch's end saves first (the grace period is for saving) and owes the validation to
         # the resumed run; at the run's last step there is nothing to resume, so it validates now.
         epoch_completed = scheduler.epoch > epoch
-        if epoch_completed:
-            self._epoch_end_interrupted = epoch
         # a stop request at the run's own last step (max_steps) cuts nothing short
         stopped_early = scheduler.stop_reason is not None and not epoch_completed and not scheduler.reaches_the_end
+        validates = False
         if not stopped_early and validated_at != ctx.step_count and self._epoch_end_validates(scheduler):
             if not scheduler.sigterm_received or scheduler.is_last_step:
-                self._validate_in_run()
+                validates = True
             elif epoch_completed:
                 scheduler.validation_owed = True
-        if epoch_completed:
+        end = _EpochEnd(
+            epoch=epoch,
+            step_count=ctx.step_count,
+            epoch_step_count=ctx.epoch_step_count,
+            evaluate=validates,
+            step_schedules=epoch_completed,
+        )
+        if epoch_completed:  # kept until done: a run() after a failure here finishes it
+            self._unfinished_epoch_end = end
+        self._end_epoch(scheduler, end)
+
+    def _end_epoch(self, scheduler: StepScheduler, end: _EpochEnd) -> None:
+        """The epoch's end work, each part once: what a failure left is what the next ``run()`` does."""
+        ctx, bus = self.ctx, self.registry.bus
+        if end.evaluate:
+            self._evaluate_in_run()
+            end.evaluate, end.announce = False, True
+        if end.announce:
+            self._after_validation()
+            end.announce = False
+            ctx.validation_follows = False
+        if end.step_schedules:
             self._step_schedules("epoch")
+            end.step_schedules = False
         ctx.stage = _AFTER_EPOCH
         bus.after_epoch(ctx)
-        self._epoch_end_interrupted = None
+        self._unfinished_epoch_end = None
         ctx.epoch = scheduler.epoch  # advanced only when the epoch's data was used up
 
-    def _warn_interrupted_epoch_end(self, scheduler: StepScheduler) -> None:
-        """The last run() raised during an epoch's end work, and this one goes on from the next epoch: what that
-        end had left (its validation, its per-epoch LR step, AFTER_EPOCH and the checkpoint saved there) is
-        not done again. Said once; a resume from a checkpoint (another position) is not concerned."""
-        epoch, self._epoch_end_interrupted = self._epoch_end_interrupted, None
-        if epoch is None or scheduler.epoch != epoch + 1 or scheduler.position != 0:
+    def _finish_interrupted_epoch_end(self, scheduler: StepScheduler) -> None:
+        """The last run() raised during a completed epoch's end work, and this one goes on from the next epoch:
+        first do what that end had left (its validation, AFTER_VALIDATION, its per-epoch LR step, AFTER_EPOCH
+        and so the checkpoint saved there), each part once, as the run that never failed did. The stage that
+        raised fires again whole. A run that starts elsewhere (a checkpoint loaded since) drops it."""
+        end, ctx = self._unfinished_epoch_end, self.ctx
+        if end is None:
             return
-        warnings.warn(
-            f"TrainingStrategy.run(): the last run raised during the end of epoch {epoch + 1} (its validation, "
-            "per-epoch LR step or AFTER_EPOCH); this run starts epoch "
-            f"{epoch + 2} without doing again what that end had left. Resume from the last checkpoint for a run "
-            "that equals one that never failed",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        if scheduler.epoch != end.epoch + 1 or scheduler.position != 0 or ctx.step_count != end.step_count:
+            self._unfinished_epoch_end = None
+            return
+        ctx.epoch, ctx.epoch_step_count = end.epoch, end.epoch_step_count
+        self._end_epoch(scheduler, end)
+        scheduler.poll_preemption()  # as between epochs: a signal during that work ends the run here
+        ctx.preempted = scheduler.sigterm_received
 
     def _build_scheduler(self, loader: Any) -> StepScheduler:
         """The run's scheduler: its configuration, the run bounds, accumulation and where to start."""
@@ -832,6 +869,12 @@ class TrainingStrategy:
         AFTER_VALIDATION fires once those streams are back: a checkpoint saved there holds
         the training RNG state, not the one the validation loader's iterator advanced.
         """
+        self._evaluate_in_run()
+        self._after_validation()
+        self.ctx.validation_follows = False
+
+    def _evaluate_in_run(self) -> None:
+        """The validation summary, computed on forked RNG streams (also restored when it raises)."""
         device = self.device
         devices = []
         if device.type == "cuda":
@@ -842,8 +885,6 @@ class TrainingStrategy:
                 self._evaluate(None)
         finally:  # also when the validation raised: a later run() trains on the streams it left
             apply_host_rng(host)
-        self._after_validation()
-        self.ctx.validation_follows = False
 
     def _epoch_end_validates(self, scheduler: StepScheduler) -> bool:
         """Whether the end of ``ctx.epoch`` validates: on the epoch cadence, or as a checkpoint step (the
@@ -891,6 +932,7 @@ class TrainingStrategy:
 
         load_state(self, state)
         self._restore_pending = not self._is_set_up
+        self._unfinished_epoch_end = None  # the loaded state's position replaces the one that work belonged to
 
     def restore(self, path: Any) -> None:
         """Restore the checkpoint at ``path``: once set up, through a registered hook's ``load_into`` (a
@@ -900,6 +942,7 @@ class TrainingStrategy:
 
         restore_checkpoint(self, path)
         self._restore_pending = not self._is_set_up
+        self._unfinished_epoch_end = None
 
     @classmethod
     def load_checkpoint(

@@ -184,41 +184,6 @@ def test_closing_after_a_failure_inside_a_step_keeps_a_stateful_loaders_position
     assert seen.batches == [[0], [1], [2], [2], [3], [4]]  # step 3 read [2], failed, and is trained again
 
 
-class FailsOnceAt:
-    """Raises the first time ``stage`` (an epoch-end stage) fires."""
-
-    def __init__(self, stage: str) -> None:
-        self.stage, self.fired = stage, False
-
-    def _fail(self, stage: str) -> None:
-        if stage == self.stage and not self.fired:
-            self.fired = True
-            raise RuntimeError("transient")
-
-    @nvtrain.hookimpl
-    def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
-        self._fail("after_validation")
-
-    @nvtrain.hookimpl
-    def after_epoch(self, ctx: nvtrain.TrainingContext) -> None:
-        self._fail("after_epoch")
-
-
-@pytest.mark.parametrize("stage", ["after_validation", "after_epoch"])
-def test_a_run_after_one_that_raised_at_an_epoch_end_says_that_end_is_not_done_again(stage: str) -> None:
-    data = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(3)]
-    validation = nvtrain.ValidationConfig(data=data[:1], every_n_epochs=1)
-    with strategy([FailsOnceAt(stage)], num_epochs=3, validation=validation) as trainer:
-        with pytest.raises(RuntimeError, match="transient"):
-            trainer.run(data)
-        with pytest.warns(RuntimeWarning, match=r"raised during the end of epoch 1 .* starts epoch 2 without doing"):
-            result = trainer.run(data)
-        assert result.step_count == 9
-        with warnings.catch_warnings():  # said once: a run after a clean one is not warned about
-            warnings.simplefilter("error", RuntimeWarning)
-            trainer.run(data)
-
-
 def test_a_run_after_one_that_raised_inside_an_epoch_is_not_warned_about_its_end() -> None:
     data = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(3)]
 

@@ -111,8 +111,9 @@ class CheckpointHook:
     _last_saved: tuple[int, Path] | None = attrs.field(init=False, default=None, repr=False)
     #: A due save deferred from AFTER_BATCH to the AFTER_VALIDATION that follows the step.
     _after_validation_save: bool = attrs.field(init=False, default=False, repr=False)
-    #: A due save at an epoch's last step, deferred from AFTER_BATCH to that epoch's AFTER_EPOCH.
-    _epoch_end_save: bool = attrs.field(init=False, default=False, repr=False)
+    #: A due save at an epoch's last step (this step), deferred from AFTER_BATCH to that epoch's AFTER_EPOCH.
+    #: Kept when the epoch's end work raises: the run() that finishes that work saves it then.
+    _epoch_end_step: int | None = attrs.field(init=False, default=None, repr=False)
     _root: Path | None = attrs.field(init=False, default=None, repr=False)
     #: The resume decision for the run about to start (``resume_checkpoint``), so its warnings print once;
     #: that run's BEFORE_TRAINING consumes it.
@@ -242,8 +243,12 @@ class CheckpointHook:
         _require_directory(self.checkpoint_dir)
         self._plugins = _active_plugins(strategy_hooks(ctx.strategy))  # type: ignore[arg-type]
         self._root = self.checkpoint_root(ctx)
-        self._saved_step = ctx.step_count if ctx.step_count else None
-        self._after_validation_save = self._epoch_end_save = False
+        self._after_validation_save = False
+        if self._epoch_end_step != ctx.step_count:  # a deferred save belongs to the state it was deferred in
+            self._epoch_end_step = None
+        # the step the run starts at is on disk; unless its epoch's end raised before it was saved (or was
+        # saved anyway, before that end's work was done): this run finishes that work, then saves it
+        self._saved_step = ctx.step_count if ctx.step_count and self._epoch_end_step is None else None
         if self.async_save and self._writes(ctx) and self._in_process_writer():
             self._writer_process().start()  # a new one imports torch while the run starts, not at the first save
         if ctx.step_count != 0 and not self._resume_failed:
@@ -277,7 +282,7 @@ class CheckpointHook:
         if not self._due(ctx, scheduler):
             return
         if scheduler is not None and (scheduler.is_last_batch or scheduler.is_last_step):
-            self._epoch_end_save = True
+            self._epoch_end_step = ctx.step_count
         elif ctx.validation_follows:
             self._after_validation_save = True  # the checkpoint holds what this step's validation changes
         else:
@@ -319,15 +324,18 @@ class CheckpointHook:
         try:
             result = yield
         except Exception as err:
-            if self._epoch_end_save:
+            if self._epoch_end_step == ctx.step_count:
                 self._rescue_epoch_end(ctx, err)
             raise
         self._epoch_end(ctx)
         return result
 
     def _rescue_epoch_end(self, ctx: nvtrain.TrainingContext, err: Exception) -> None:
-        """AFTER_EPOCH raised before the deferred epoch-end save: write it in one process, else say it is lost."""
-        self._epoch_end_save = False
+        """AFTER_EPOCH raised before the deferred epoch-end save: write it in one process, else say it is lost.
+
+        The save stays due: a ``run()`` of the same strategy that finishes the epoch's end work writes
+        the step again, complete.
+        """
         if _distributed(ctx):
             err.add_note(f"CheckpointHook: the checkpoint of step {ctx.step_count} (the epoch's end) was not written")
             return
@@ -343,7 +351,8 @@ class CheckpointHook:
             err.add_note(f"CheckpointHook: saving step {ctx.step_count} failed too: {save_err!r}")
 
     def _epoch_end(self, ctx: nvtrain.TrainingContext) -> None:
-        deferred, self._epoch_end_save = self._epoch_end_save, False
+        deferred = self._epoch_end_step == ctx.step_count
+        self._epoch_end_step = None
         # the scheduler has moved to the next epoch only when this one's data was used up
         completed = ctx.windowed and ctx.scheduler is not None and ctx.scheduler.epoch > ctx.epoch
         on_interval = self.epoch_interval is not None and (ctx.epoch + 1) % self.epoch_interval == 0
