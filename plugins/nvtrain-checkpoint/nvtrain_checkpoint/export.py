@@ -57,8 +57,20 @@ def export_weights(
     else:
         state = storage.read_checkpoint(directory)
         model = _one_model(model_key, _state_models(state, directory), directory, ema)
-        weights = dict(state["models"][model]) if ema is False else _averaged(state, model, ema, directory)
+        weights = _model_weights(state, model, directory) if ema is False else _averaged(state, model, ema, directory)
     return _write_atomically(weights, Path(path))
+
+
+def _model_weights(state: Mapping[str, Any], model: str, directory: Path) -> dict[str, Any]:
+    """The saved ``state_dict`` of ``model``; a state file crafted to hold something else under its key is
+    refused by name rather than failing inside ``dict()``."""
+    weights = state["models"][model]
+    if not isinstance(weights, Mapping):
+        raise storage.CheckpointError(
+            f"{directory / storage.STATE_NAME}: the state's models[{model!r}] must be a dict of tensors by "
+            f"parameter name (the model's state_dict); got {storage.shown_value(weights)}"
+        )
+    return dict(weights)
 
 
 def _state_models(state: Any, directory: Path) -> list[str]:

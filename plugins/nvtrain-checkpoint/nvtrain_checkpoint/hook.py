@@ -624,20 +624,11 @@ def _refuse_newer_format(path: Path) -> None:
     aside, and a run resumed from an older step would replace it with its save of that step
     or rotate it out (``keep_last_n``); so no run of this version resumes in its directory.
     """
-    manifest = storage.raw_manifest(path)
-    version = storage.newer_format(manifest)
-    if manifest is None or version is None:
-        return  # this format, or one no version writes (damage: passed over as such)
-    plugins = manifest.get("plugins")
-    plugin = plugins.get(CheckpointHook.plugin_name) if isinstance(plugins, dict) else None
-    writer = plugin.get("version") if isinstance(plugin, dict) else None
-    named = isinstance(writer, str) and writer != storage.running_version("nvtrain-checkpoint")
-    wrote = f"nvtrain-checkpoint {writer}" if named else "the nvtrain-checkpoint version that wrote it"
-    raise storage.CheckpointError(
-        f"{path} is a checkpoint in format {version}, which this nvtrain-checkpoint does not read (it reads format "
-        f"{storage.FORMAT_VERSION}); it is left as it is. Install {wrote} to resume from it, or set checkpoint_dir "
-        "to another directory to run without it"
+    message = storage.newer_format_message(
+        path, storage.raw_manifest(path), instead="set checkpoint_dir to another directory to run without it"
     )
+    if message is not None:  # None: this format, or one no version writes (damage: passed over as such)
+        raise storage.CheckpointError(message)
 
 
 def _require_directory(path: Path) -> None:

@@ -62,6 +62,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "newer_format",
+    "newer_format_message",
     "raw_manifest",
     "read_checkpoint",
     "read_checkpoint_manifest",
@@ -88,6 +89,8 @@ _REPLACED_DIR = re.compile(r"^\.replaced-(step_\d+)-[0-9a-f]+$")
 _POINTER_LIMIT = 256
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
 _ZIP_MAGIC = b"PK\x03\x04"
+#: ``CheckpointHook.plugin_name``: the manifest's ``plugins`` entry naming the nvtrain-checkpoint that wrote it.
+_PLUGIN_NAME = "checkpoint"
 
 
 class CheckpointError(ResumeError):
@@ -358,6 +361,29 @@ def newer_format(manifest: Mapping[str, Any] | None) -> int | None:
     return version if type(version) is int and version > FORMAT_VERSION else None
 
 
+def newer_format_message(
+    path: Path, manifest: Mapping[str, Any] | None, *, instead: str = f"name a checkpoint in format {FORMAT_VERSION}"
+) -> str | None:
+    """Why the checkpoint at ``path`` is refused when its manifest is in a newer format (None when it is not).
+
+    A later version wrote it intact, so the refusal says what to install (the version named
+    in its manifest, when it is one) and, in ``instead``, what to do without it: a resume
+    that finds it in its directory and one told its path give the same advice.
+    """
+    version = newer_format(manifest)
+    if manifest is None or version is None:
+        return None
+    plugins = manifest.get("plugins")
+    plugin = plugins.get(_PLUGIN_NAME) if isinstance(plugins, dict) else None
+    writer = plugin.get("version") if isinstance(plugin, dict) else None
+    named = isinstance(writer, str) and writer != running_version("nvtrain-checkpoint")
+    wrote = f"nvtrain-checkpoint {writer}" if named else "the nvtrain-checkpoint version that wrote it"
+    return (
+        f"{path} is a checkpoint in format {version}, which this nvtrain-checkpoint does not read (it reads format "
+        f"{FORMAT_VERSION}); it is left as it is. Install {wrote} to resume from it, or {instead}"
+    )
+
+
 def is_healthy(directory: Path) -> bool:
     """The manifest's ``healthy`` mark: False only when the saved step's loss was known to be NaN/inf."""
     manifest = raw_manifest(directory)
@@ -521,7 +547,8 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{file}: format_version must be an int (got {version!r}): the manifest was modified")
     if version != FORMAT_VERSION:
         raise CheckpointError(
-            f"{file}: checkpoint format {version!r} is not supported by this nvtrain-checkpoint "
+            newer_format_message(Path(directory), manifest)
+            or f"{file}: checkpoint format {version!r} is not supported by this nvtrain-checkpoint "
             f"(it reads format {FORMAT_VERSION}); install the version that wrote it"
         )
     _check_manifest_step(file, manifest.get("step"))
@@ -535,7 +562,41 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
             or not isinstance(entry.get("sha256"), str)
         ):
             raise CheckpointError(f"{file} does not list {name} with its size and sha256 (it has {entry!r})")
+    if "sharded" in manifest:
+        _check_sharded_entry(file, manifest["sharded"])
+    if "run_config" in manifest and not isinstance(manifest["run_config"], dict):
+        raise CheckpointError(
+            f"{file}: 'run_config' must be a mapping (the resolved config of the run that wrote the checkpoint; "
+            f"one written from Python has none), got {shown_value(manifest['run_config'])}: the manifest was modified"
+        )
     return manifest
+
+
+def _check_sharded_entry(file: Path, entry: Any) -> None:
+    """A ``sharded`` entry says the weights lie in DCP shards, not in ``state.pt`` (a plain checkpoint's manifest
+    has none): a malformed one would have the reader look for them in the wrong place."""
+    from nvtrain_checkpoint.dcp_files import FORMAT, SHARDED_DIR  # dcp_files imports this module
+
+    world_size = entry.get("world_size") if isinstance(entry, dict) else None
+    if (
+        isinstance(entry, dict)
+        and entry.get("format") == FORMAT
+        and entry.get("directory") == SHARDED_DIR
+        and type(world_size) is int
+        and world_size >= 1
+    ):
+        return
+    expected = f'{{"format": "{FORMAT}", "directory": "{SHARDED_DIR}", "world_size": <int >= 1>}}'
+    raise CheckpointError(
+        f"{file}: 'sharded' is malformed: expected a mapping {expected} (what a sharded checkpoint's manifest holds; "
+        f"a plain one has no 'sharded'), got {shown_value(entry)}: the manifest was modified"
+    )
+
+
+def shown_value(value: Any) -> str:
+    """How a refusal names what a field holds: its repr (cut short past a line's worth) and its type."""
+    text = repr(value)
+    return f"{text[:120] + '...' if len(text) > 120 else text} ({type(value).__name__})"
 
 
 def _check_manifest_step(file: Path, step: Any) -> None:
@@ -603,7 +664,7 @@ def saved_state(path: str | os.PathLike[str], rank: int | None = None) -> dict[s
     cannot be read so (the resume itself then says why)."""
     try:
         directory = resolve_checkpoint(path, rank)
-        if isinstance(read_manifest(directory).get("sharded"), dict):
+        if "sharded" in read_manifest(directory):
             return None
         state = torch.load(directory / STATE_NAME, map_location="cpu", weights_only=True, mmap=True)
     except (CheckpointError, OSError, RuntimeError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile):
@@ -628,7 +689,7 @@ def read_checkpoint(path: str | os.PathLike[str], rank: int | None = None) -> di
 
     directory = resolve_checkpoint(path, rank)
     manifest = read_manifest(directory)
-    if isinstance(manifest.get("sharded"), dict):
+    if "sharded" in manifest:  # checked by read_manifest: a mapping naming the format and the ranks
         raise CheckpointError(
             f"{directory} is a sharded checkpoint (written by {manifest['sharded'].get('world_size')} FSDP ranks): "
             "its weights are not in one state file. Resume it with CheckpointHook(resume=...) on any number of "
