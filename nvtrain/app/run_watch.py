@@ -84,9 +84,10 @@ class RunWatch:
 
 
 def _dump(data: Mapping[str, Any]) -> str:
-    import yaml
+    """YAML that ``nvtrain train --config`` reads back as it was (a saved run's config can be run again)."""
+    from nvtrain.config.source import dump_yaml
 
-    return str(yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False))
+    return dump_yaml(dict(data))
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -11,7 +11,7 @@ from nvtrain.config.converter import converter
 from nvtrain.config.errors import ConfigError, ConfigPath, describe
 from nvtrain.config.overrides import apply_overrides, check_overrides
 from nvtrain.config.schema import RunConfig
-from nvtrain.config.source import parse_yaml, yaml_module
+from nvtrain.config.source import dump_yaml, parse_yaml
 from nvtrain.config.structure import structure_config
 
 __all__ = ["BUILTIN_SOURCE", "LoadedConfig", "dump_config", "load_config"]
@@ -123,5 +123,4 @@ def _read_config_file(file: Path, source: str) -> str:
 
 def dump_config(config: RunConfig) -> str:
     """The fully resolved config as YAML, in schema order (what ``--print-config`` shows)."""
-    data = converter().unstructure(config)
-    return str(yaml_module().safe_dump(data, sort_keys=False, default_flow_style=False))
+    return dump_yaml(converter().unstructure(config))
