@@ -6,6 +6,8 @@
    settings pass the hooks' own validators.
 2. :func:`build` (``building``) builds model, loaders, optimizer, scheduler and
    strategy, and decides the resume (``resume_plan``); still nothing is written.
+   ``nvtrain validate`` then runs one batch through the forward, the loss and the
+   metrics (:func:`check_one_batch`, ``batch_check``).
 3. Only then does :func:`train` (``running``) create the run directory, run the
    :class:`~nvtrain.TrainingStrategy` and report.
 
@@ -21,6 +23,7 @@ signal, nothing saved) and :data:`EXIT_INTERRUPTED` (a second Ctrl-C).
 
 from __future__ import annotations
 
+from nvtrain.app.batch_check import BatchCheck, check_one_batch
 from nvtrain.app.building import Built, build
 from nvtrain.app.checking import Plan, prepare
 from nvtrain.app.from_checkpoint import build_from_checkpoint, config_import_paths, trusted_packages
@@ -44,12 +47,14 @@ __all__ = [
     "EXIT_PREEMPTED",
     "EXIT_PREEMPTED_UNSAVED",
     "EXIT_USAGE",
+    "BatchCheck",
     "Built",
     "Plan",
     "TrainOutcome",
     "build",
     "build_from_checkpoint",
     "builtin_hook_classes",
+    "check_one_batch",
     "config_import_paths",
     "prepare",
     "train",

@@ -257,7 +257,7 @@ def _constructing(loaded: LoadedConfig, path: tuple[str | int, ...], what: str, 
         return make()
     except ConfigError:
         raise
-    except _NOT_REFUSALS:  # out of memory, a failing device or process group: the run's failure, with its traceback
+    except NOT_REFUSALS:  # out of memory, a failing device or process group: the run's failure, with its traceback
         raise
     except (ValueError, TypeError, KeyError, IndexError, AssertionError, ImportError, RuntimeError) as err:
         # ImportError: a factory needing what is not installed (the digits job without scikit-learn);
@@ -276,7 +276,8 @@ def _not_refusals() -> tuple[type[BaseException], ...]:
     return tuple(dict.fromkeys(kinds))
 
 
-_NOT_REFUSALS = _not_refusals()
+#: RuntimeErrors that are the run's failure, never the config's: they propagate with their traceback.
+NOT_REFUSALS = _not_refusals()
 
 
 def _blame(loaded: LoadedConfig, path: tuple[str | int, ...], message: str) -> tuple[str | int, ...]:
