@@ -228,3 +228,10 @@ def test_a_printed_or_saved_config_loads_back_as_it_was(tmp_path: Path, name: st
     saved = tmp_path / "saved.yaml"
     saved.write_text(_dump(converter().unstructure(loaded)), encoding="utf-8")
     assert load_config(saved).config == loaded
+
+
+@pytest.mark.parametrize("text", ["2024-01-01", "2024-01-01 10:00:00", "2024-01-01T10:00:00Z"])
+def test_a_date_is_a_string_as_in_yaml_1_2(text: str) -> None:
+    """YAML 1.1 makes it a datetime.date: a factory's keyword argument would get a date it never asked for."""
+    assert value_of(text) == text
+    assert parse_yaml(dump_yaml({"a": text}), "dumped.yaml")[0] == {"a": text}

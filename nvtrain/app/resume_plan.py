@@ -100,10 +100,13 @@ def _plain(data: Any) -> Any:
 
 
 def _saved_config_file(run_dir: Path) -> dict[str, Any] | None:
-    import yaml
+    """The run directory's config.yaml, read as a config file is (it was written to be read back so)."""
+    from nvtrain.config import ConfigError
+    from nvtrain.config.source import parse_yaml
 
+    path = run_dir / "config.yaml"
     try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
+        data, _ = parse_yaml(path.read_text(encoding="utf-8"), str(path))
+    except (OSError, UnicodeDecodeError, ConfigError):
         return None
     return _plain(data) if isinstance(data, dict) else None

@@ -30,6 +30,8 @@ def yaml_module() -> Any:
 _LOADER: Any = None
 _INT_TAG = "tag:yaml.org,2002:int"
 _FLOAT_TAG = "tag:yaml.org,2002:float"
+#: YAML 1.1 reads ``2024-01-01`` as a date; YAML 1.2's core schema, and every nvtrain field, as a string.
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
 #: The tag the loader gives a plain number that YAML 1.1 and 1.2 read differently: refused, never constructed.
 _AMBIGUOUS_TAG = "tag:nvtrain,2024:ambiguous-number"
 # YAML 1.1 reads ``1e-3`` (no dot) as a string; learning rates are written that way. No base-60 ``1:20.5``
@@ -67,10 +69,11 @@ def _loader_class() -> Any:
         yaml = yaml_module()
 
         class Loader(yaml.SafeLoader):  # type: ignore[misc,name-defined]
-            """SafeLoader that reads ``1e-3`` as a float, ``0o17`` as an int, and tags ambiguous numbers."""
+            """SafeLoader that reads ``1e-3`` as a float, ``0o17`` as an int, dates as strings, and tags ambiguous
+            numbers."""
 
         Loader.yaml_implicit_resolvers = {
-            key: [(tag, rx) for tag, rx in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+            key: [(tag, rx) for tag, rx in resolvers if tag not in (_INT_TAG, _FLOAT_TAG, _TIMESTAMP_TAG)]
             for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
         }
         Loader.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
