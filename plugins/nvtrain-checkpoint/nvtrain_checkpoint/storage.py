@@ -545,11 +545,16 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     version = manifest["format_version"]
     if type(version) is not int:  # 1.0 and true equal 1 in Python, but no nvtrain wrote them
         raise CheckpointError(f"{file}: format_version must be an int (got {version!r}): the manifest was modified")
+    if version < 1:
+        raise CheckpointError(
+            f"{file}: format_version {version} is one no nvtrain-checkpoint writes (formats start at 1; this one "
+            f"reads format {FORMAT_VERSION}): the manifest was modified"
+        )
     if version != FORMAT_VERSION:
         raise CheckpointError(
             newer_format_message(Path(directory), manifest)
-            or f"{file}: checkpoint format {version!r} is not supported by this nvtrain-checkpoint "
-            f"(it reads format {FORMAT_VERSION}); install the version that wrote it"
+            or f"{file}: checkpoint format {version} was written by an older nvtrain-checkpoint (this one reads "
+            f"format {FORMAT_VERSION}); install the version that wrote it"
         )
     _check_manifest_step(file, manifest.get("step"))
     files = manifest.get("files")

@@ -260,6 +260,7 @@ def test_a_state_file_that_is_not_a_torch_file_is_refused(tmp_path: Path) -> Non
         ("{not json", r"manifest.json is not a valid manifest \(not JSON"),
         ('{"hello": 1}', r"manifest.json is not an nvtrain checkpoint manifest"),
         ('{"format_version": 99}', r"step_1 is a checkpoint in format 99, which this nvtrain-checkpoint does not read"),
+        ('{"format_version": 0}', r"format_version 0 is one no nvtrain-checkpoint writes .*: the manifest was modified"),
         ('{"format_version": 1.0}', r"format_version must be an int \(got 1.0\)"),
         ('{"format_version": true}', r"format_version must be an int \(got True\)"),
         ('{"format_version": 1, "step": 1, "files": {}}', r"does not list state.pt with its size and sha256"),
