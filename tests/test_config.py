@@ -185,6 +185,22 @@ def test_typo_in_set_points_at_the_argument() -> None:
     )
 
 
+def test_set_by_a_name_two_hooks_share_is_refused_with_their_indexes(tmp_path: Path) -> None:
+    """Two EMA hooks (one per model): setting the first alone would pass for setting the one named."""
+    hooks = "hooks: [{name: ema, model_key: main}, amp, {name: ema, model_key: teacher}]\n"
+    path = write(tmp_path, MINIMAL + hooks)
+    err = error_of(path, "hooks.ema.decay=0.5")
+    assert str(err) == (
+        "--set hooks.ema.decay=0.5: hooks: 2 items are named 'ema' (items 0, 2); name one by its index (hooks.0...)"
+    )
+    loaded = load_config(path, ["hooks.2.decay=0.5"])
+    assert [hook.settings for hook in loaded.config.hooks] == [
+        {"model_key": "main"},
+        {},
+        {"model_key": "teacher", "decay": 0.5},
+    ]
+
+
 def test_a_section_an_override_creates_is_located_at_the_argument(tmp_path: Path) -> None:
     path = write(tmp_path, MINIMAL)
     err = error_of(path, "hooks.ema.decay=0.9")

@@ -120,8 +120,16 @@ def _list_index(items: list[Any], part: str, path: list[str | int], where: str) 
             )
         return index % len(items)
     names = [_hook_name(item) for item in items]
-    if part in names:
-        return names.index(part)
+    matches = [index for index, name in enumerate(names) if name == part]
+    if len(matches) > 1:  # two monitors, one per model: setting the first alone would pass for setting "the" one
+        raise ConfigError(
+            f"{len(matches)} items are named {part!r} (items {', '.join(map(str, matches))}); "
+            f"name one by its index ({'.'.join(map(str, path))}.{matches[0]}...)",
+            path=tuple(path),
+            location=where,
+        )
+    if matches:
+        return matches[0]
     close = difflib.get_close_matches(part, [n for n in names if n], n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ConfigError(
