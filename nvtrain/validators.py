@@ -136,7 +136,8 @@ def satisfies(
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if (value is None and or_none) or accepts(value):
             return
-        raise refused(type(instance).__name__, attribute.name, value, expected, error=error)
+        # the setting's name: a private field ``_limit`` is set as ``limit`` (attrs' alias)
+        raise refused(type(instance).__name__, attribute.alias, value, expected, error=error)
 
     return check
 

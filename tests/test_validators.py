@@ -124,6 +124,19 @@ def test_the_error_carries_class_field_value_and_expectation() -> None:
     assert (type_err.field, type_err.value, type_err.expected) == ("value", 1.0, "an int")
 
 
+def test_a_private_field_is_named_as_it_is_set() -> None:
+    """attrs sets ``_limit`` as ``limit``: the error names the setting the user wrote, so it can be placed."""
+
+    @attrs.define
+    class Stats:
+        _limit: int = attrs.field(default=5, validator=int_at_least(0))
+
+    with pytest.raises(FieldValueError) as info:
+        Stats(limit=-1)
+    assert str(info.value) == "Stats.limit must be an int >= 0 (got -1)"
+    assert info.value.field == "limit"
+
+
 def test_refused_is_the_error_a_converter_or_a_check_of_its_own_raises() -> None:
     err = refused("CheckpointHook", "resume", 3, "'never', 'auto' or a checkpoint path")
     assert isinstance(err, FieldValueError)
