@@ -200,6 +200,7 @@ class _BusPluginManager(pluggy.PluginManager):
                 _refuse_marked_non_function(plugin, label, attribute)
                 continue
             hook_name = opts.get("specname") or attribute
+            _refuse_wrapper_without_yield(label, attribute, getattr(plugin, attribute), opts)
             if hook_name in _STAGE_BY_NAME:
                 _check_stage_signature(label, hook_name, attribute, getattr(plugin, attribute))
             elif getattr(getattr(self.hook, hook_name, None), "spec", None) is None:
@@ -693,6 +694,18 @@ def _refuse_mark_above_decorator(plugin: object, label: str, attribute: str) -> 
             f"{kind} object and not its function, so some pluggy versions never call it; expected "
             f"@nvtrain.hookimpl below @{kind}"
         )
+
+
+def _refuse_wrapper_without_yield(label: str, attribute: str, method: Any, opts: Mapping[str, Any]) -> None:
+    """A wrapper runs around the stage's other implementations from its one ``yield``: without one there is no
+    "around" (pluggy's own refusal names the plugin by its internal id and lists nothing useful)."""
+    kind = "wrapper=True" if opts.get("wrapper") else "hookwrapper=True" if opts.get("hookwrapper") else None
+    if kind is None or inspect.isgeneratorfunction(method):
+        return
+    raise ValueError(
+        f"plugin {label}: {attribute} is marked {kind} but is not a generator function: a wrapper must "
+        "yield once (the stage's other implementations run there); drop the option for a plain implementation"
+    )
 
 
 def _refuse_marked_non_function(plugin: object, label: str, attribute: str) -> None:

@@ -65,6 +65,18 @@ class SpecnameTypo:
         return None
 
 
+class WrapperWithoutYield:
+    @nvtrain.hookimpl(wrapper=True)
+    def after_batch(self, ctx: Any) -> None:
+        return None
+
+
+class OldWrapperWithoutYield:
+    @nvtrain.hookimpl(hookwrapper=True)
+    def do_backward(self, ctx: Any) -> None:
+        return None
+
+
 REFUSED = [
     (DefaultCtx(), r"after_batch\(ctx=None\) cannot be called as stage 'after_batch': ctx has a default"),
     (KeywordOnlyCtx(), r"after_batch\(\*, ctx\) cannot be called as stage 'after_batch': ctx is keyword-only"),
@@ -74,6 +86,8 @@ REFUSED = [
     (RenamedKeywordOnly(), r"record \(for after_loss\)\(\*, ctx\) cannot be called as stage 'after_loss'"),
     (OptionalTypo(), r"unknown hook 'befor_batch' is not a stage \(did you mean 'before_batch'\?\); optionalhook=True"),
     (SpecnameTypo(), r"unknown hook 'after_bach', named by specname on method 'record', is not a stage"),
+    (WrapperWithoutYield(), r"after_batch is marked wrapper=True but is not a generator function: .* yield once"),
+    (OldWrapperWithoutYield(), r"do_backward is marked hookwrapper=True but is not a generator function"),
 ]
 
 
