@@ -137,7 +137,7 @@ def satisfies(
         if (value is None and or_none) or accepts(value):
             return
         # the setting's name: a private field ``_limit`` is set as ``limit`` (attrs' alias)
-        raise refused(type(instance).__name__, attribute.alias, value, expected, error=error)
+        raise refused(type(instance).__name__, attribute.alias or attribute.name, value, expected, error=error)
 
     return check
 
