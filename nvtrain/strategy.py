@@ -35,6 +35,7 @@ from nvtrain.validation import (
     ValidationConfig,
     ValidationLoop,
     averages_to_validate,
+    cadence_never_fires,
     validation_autocast,
     validation_models,
 )
@@ -329,6 +330,7 @@ class TrainingStrategy:
             averages_to_validate(self.registry.hooks(), self.validation)
         scheduler = self._build_scheduler(ctx.train_loader)
         self._warn_unstepped_metric_schedules(scheduler)
+        self._warn_cadence_beyond_the_run(scheduler)
         ctx.scheduler = scheduler
         self._live_data.scheduler = scheduler
         self._live_data.loaders = [ctx.train_loader, self.validation.data if self.validation is not None else None]
@@ -810,6 +812,24 @@ class TrainingStrategy:
             RuntimeWarning,
             stacklevel=3,
         )
+
+    def _warn_cadence_beyond_the_run(self, scheduler: StepScheduler) -> None:
+        """A validation cadence longer than the run (``every_n_epochs=5`` in a 3-epoch run) never validates: the
+        run ends with no validation result, and early stopping and a plateau scheduler never act; say so."""
+        config = self.validation
+        if config is None or config.data is None or scheduler.validate_on_checkpoint:
+            return
+        steps, epochs, epoch_len = scheduler.total_steps, scheduler.num_epochs, scheduler.epoch_len
+        if steps is not None and epoch_len:  # max_steps may end the run epochs before num_epochs does
+            epochs = min(epochs, -(-steps // epoch_len)) if epochs is not None else -(-steps // epoch_len)
+        why = cadence_never_fires(scheduler.val_every_steps, config.epoch_interval, steps, epochs)
+        if why is not None:
+            warnings.warn(
+                f"TrainingStrategy.validation: the run never validates ({why}); shorten the cadence "
+                "(ValidationConfig every_n_steps / every_n_epochs) or lengthen the run",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _has_validation_data(self) -> bool:
         return self.validation is not None and self.validation.data is not None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -12,7 +12,14 @@ import torch
 from nvtrain.hook import AveragesWeights, ProvidesAutocast
 from nvtrain.validators import FieldTypeError, optional_int_at_least, refused, satisfies
 
-__all__ = ["ValidationConfig", "ValidationLoop", "averages_to_validate", "validation_autocast", "validation_models"]
+__all__ = [
+    "ValidationConfig",
+    "ValidationLoop",
+    "averages_to_validate",
+    "cadence_never_fires",
+    "validation_autocast",
+    "validation_models",
+]
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 Metric = Callable[[Any, Any], torch.Tensor]
@@ -108,6 +115,26 @@ class ValidationConfig:
         if self.every_n_epochs == "auto":
             return 1 if self.every_n_steps is None else None
         return self.every_n_epochs
+
+
+def cadence_never_fires(
+    step_intervals: Sequence[int], epoch_interval: int | None, total_steps: int | None, num_epochs: int | None
+) -> str | None:
+    """Why a run's validation cadences never fire within its length (``every 500 steps in a run of 300 steps``),
+    or None when one may (or the length is unknown, or no cadence is set: validating is then the caller's).
+
+    The cadences count from the run's first step and epoch: a resumed run has the same ones.
+    """
+    if not step_intervals and epoch_interval is None:
+        return None
+    if any(total_steps is None or every <= total_steps for every in step_intervals):
+        return None
+    if epoch_interval is not None and (num_epochs is None or epoch_interval <= num_epochs):
+        return None
+    parts = [f"every {every} steps in a run of {total_steps} steps" for every in step_intervals]
+    if epoch_interval is not None:
+        parts.append(f"every {epoch_interval} epochs in a run of {num_epochs} epochs")
+    return "; ".join(parts)
 
 
 @attrs.define

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import csv
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import nvtrain
 from nvtrain.cli import main
@@ -199,3 +202,32 @@ def test_validation_follows_is_false_at_a_stop_requests_step(make_strategy: Any,
     follows.clear()
     config = nvtrain.StepSchedulerConfig(ckpt_every_steps=None, max_steps=3)
     assert _validated(make_strategy, batches, every_n_epochs=1, step_scheduler=config) == [3]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    epochs=st.integers(1, 4),
+    max_steps=st.none() | st.integers(1, 14),
+    every_n_steps=st.none() | st.integers(1, 20),
+    every_n_epochs=st.none() | st.integers(1, 6),
+)
+def test_a_run_that_will_never_validate_says_so_and_one_that_will_does_not(
+    make_strategy: Any, batches: Any, epochs: int, max_steps: int | None, every_n_steps: int | None,
+    every_n_epochs: int | None,
+) -> None:
+    """Warned exactly when cadences are set and the run (epochs of 4 steps, maybe cut by ``max_steps``)
+    validated at no step: a cadence longer than the run, never a false alarm."""
+    config = nvtrain.StepSchedulerConfig(ckpt_every_steps=None, max_steps=max_steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validated = _validated(
+            make_strategy,
+            batches,
+            epochs=epochs,
+            step_scheduler=config,
+            every_n_steps=every_n_steps,
+            every_n_epochs=every_n_epochs,
+        )
+    warned = [str(w.message) for w in caught if "the run never validates" in str(w.message)]
+    cadence_set = every_n_steps is not None or every_n_epochs is not None
+    assert bool(warned) == (cadence_set and not validated), (warned, validated)
