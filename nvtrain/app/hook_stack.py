@@ -10,9 +10,12 @@ import difflib
 import functools
 import importlib.util
 import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from nvtrain.config import LoadedConfig, resolve_import_path
 from nvtrain.config.errors import field_of
@@ -47,33 +50,31 @@ def signature_parameters(target: Any) -> Mapping[str, inspect.Parameter]:
 
 def builtin_hook_classes() -> dict[str, type]:
     """Built-in hooks a config can name, by their ``plugin_name`` (``clip``, ``accumulate``...)."""
-    import nvtrain.hooks as builtin
+    from nvtrain.plugins import builtin_hooks
 
-    classes: dict[str, type] = {}
-    for class_name in builtin.__all__:
-        cls = getattr(builtin, class_name)
-        name = getattr(cls, "plugin_name", None)
-        if isinstance(name, str):
-            classes[name] = cls
-    return classes
+    return builtin_hooks()
 
 
 def build_hooks(loaded: LoadedConfig, search: Sequence[Path]) -> list[object]:
+    """Build each hook the config lists, importing only the plugins it names (installed ones are read from
+    metadata).
+
+    A name that is both a built-in hook's and a visible plugin's is refused at its entry (see
+    :func:`nvtrain.plugins.hook_class`), so ``clip`` never silently means one of the two.
+    """
     from nvtrain import plugins
 
     builtin = builtin_hook_classes()
-    listed = plugins.available()
-    installed = {info.name for info in listed if info.status != plugins.PluginStatus.MISSING}
-    missing = sorted(info.name for info in listed if info.status == plugins.PluginStatus.MISSING)
+    installed = {record.name for record in plugins.visible_records()}
     hooks = []
     for index, entry in enumerate(loaded.config.hooks):
         path = ("hooks", index)
         name, settings = entry.name, dict(entry.settings)
         plugin = name.partition(":")[0]
-        if name in builtin:
+        if name in builtin and name not in installed:
             cls = builtin[name]
             settings = _default_outputs(cls, settings, loaded.config.run_dir, name)
-            hooks.append(_construct(loaded, path, name, functools.partial(plugins_build, cls, settings, name)))
+            hooks.append(_construct(loaded, path, name, cls, functools.partial(plugins_build, cls, settings, name)))
         elif plugin in installed:
             hooks.append(load_plugin(loaded, name, settings, path))
         elif ":" in name:
@@ -82,18 +83,21 @@ def build_hooks(loaded: LoadedConfig, search: Sequence[Path]) -> list[object]:
             except (ImportError, AttributeError) as err:
                 raise loaded.error(str(err), (*path, "name")) from None
             settings = _default_outputs(cls, settings, loaded.config.run_dir, name.rpartition(":")[2])
-            hooks.append(_construct(loaded, path, name, functools.partial(plugins_build, cls, settings, name)))
+            hooks.append(_construct(loaded, path, name, cls, functools.partial(plugins_build, cls, settings, name)))
         else:
-            raise loaded.error(_unknown_hook(name, builtin, installed, missing), (*path, "name"))
+            raise loaded.error(_unknown_hook(name, builtin, installed), (*path, "name"))
     return hooks
 
 
-def _unknown_hook(name: str, builtin: Mapping[str, type], installed: set[str], missing: Sequence[str]) -> str:
-    """Why ``name`` names no hook: a typo, or a plugin the ``NVTRAIN_PLUGINS`` allow-list hides."""
+def _unknown_hook(name: str, builtin: Mapping[str, type], installed: set[str]) -> str:
+    """Why ``name`` names no hook: a typo, or a plugin the ``NVTRAIN_PLUGINS`` allow-list hides (read from metadata:
+    nothing is imported)."""
     from nvtrain.plugins import ALLOW_LIST_ENV, allow_list
 
     allowed = allow_list()
-    if allowed is not None and name in {record.name for record in installed_entry_points()}:
+    everything = {record.name for record in installed_entry_points()}
+    missing = sorted(set(allowed or ()) - everything)
+    if allowed is not None and name in everything:
         return (
             f"hook {name!r} is an installed plugin that {ALLOW_LIST_ENV}={','.join(allowed)} does not allow "
             f"(add it to {ALLOW_LIST_ENV}, or unset it)"
@@ -135,16 +139,31 @@ def load_plugin(
     except plugins.PluginError as err:
         why = f"{for_what} needs plugin {name!r}: " if for_what else ""
         raise loaded.error(f"{why}{err}", path) from None
-    settings = _default_outputs(cls, settings, loaded.config.run_dir, name.partition(":")[0])
-    return _construct(loaded, path, name, lambda: plugins.load(name, **settings))
+    plugin = name.partition(":")[0]
+    settings = _default_outputs(cls, settings, loaded.config.run_dir, plugin)
+    source = next((record.source for record in plugins.visible_records() if record.name == plugin), None)
+    return _construct(loaded, path, name, cls, lambda: plugins.load(name, **settings), source=source)
 
 
-def _construct(loaded: LoadedConfig, path: tuple[str | int, ...], name: str, build: Callable[[], Any]) -> Any:
-    """Build the hook at ``path`` and check it as the strategy will register it, so a refusal names this entry."""
+def _construct(
+    loaded: LoadedConfig,
+    path: tuple[str | int, ...],
+    name: str,
+    cls: type,
+    build: Callable[[], Any],
+    *,
+    source: str | None = None,
+) -> Any:
+    """Build the hook at ``path`` and check it as the strategy will register it, so a refusal names this entry.
+
+    ``source`` is the plugin's distribution and version: a constructor that fails otherwise than on a setting
+    (a device, a file) is reported with it, so the line says whose hook failed.
+    """
     from nvtrain.config import ConfigError
     from nvtrain.plugins import PluginError, PluginSettingsError
     from nvtrain.registry import check_registration
 
+    _refuse_a_required_name_setting(loaded, path, name, cls)
     try:
         hook = build()
         check_registration(hook)
@@ -156,11 +175,50 @@ def _construct(loaded: LoadedConfig, path: tuple[str | int, ...], name: str, bui
         raise loaded.error(str(err), (*path, unknown[0]) if unknown else path) from None
     except FieldProblem as err:  # the hook's own validators and converters say which field refused what
         raise loaded.error(f"hook {name!r}: {err}", (*path, err.field) if err.field else path) from None
-    except (TypeError, ValueError) as err:  # a hook from elsewhere whose checks raise plain errors
-        field = field_of(err)
-        raise loaded.error(f"hook {name!r}: {err}", (*path, field) if field else path) from None
+    except (TypeError, ValueError) as err:  # a hook from elsewhere whose checks raise plain errors (or attrs' own)
+        message, field = _attrs_refusal(cls, err) or (str(err), field_of(err))
+        raise loaded.error(f"hook {name!r}: {message}", (*path, field) if field else path) from None
     except Exception as err:  # its constructor failed otherwise (a device, a file): still one located line
-        raise loaded.error(f"hook {name!r}: building it raised {type(err).__name__}: {err}", path) from err
+        owner = f"hook {name!r} ({source})" if source else f"hook {name!r}"
+        raise loaded.error(f"{owner}: building it raised {type(err).__name__}: {err}", path) from err
+
+
+def _attrs_refusal(cls: type, err: BaseException) -> tuple[str, str | None] | None:
+    """The message of a refusal by one of attrs' own validators, and the setting it is about; None for other errors.
+
+    ``instance_of``, ``in_``, ``matches_re``... raise ``(message, Attribute, expected, value)``, whose ``str()`` is
+    that tuple; ``ge``/``le``/``max_len``... raise a message opening with the quoted attribute name (``'every' must
+    be >= 1: 0``). The setting is the field's alias (``limit`` for a private ``_limit``).
+    """
+    args = err.args
+    if not args or not isinstance(args[0], str):
+        return None
+    fields = attrs.fields(cls) if attrs.has(cls) else ()
+    if len(args) > 1 and isinstance(args[1], attrs.Attribute):
+        return args[0], next((f.alias for f in fields if f == args[1] and f.init), None)
+    if len(args) == 1 or isinstance(err, attrs.exceptions.NotCallableError):
+        quoted = _ATTRS_MESSAGE.match(args[0])
+        named = next((f for f in fields if quoted and f.name == quoted.group(1) and f.init), None)
+        if named is not None:
+            return args[0], named.alias
+    return None
+
+
+#: How attrs' validators that raise a bare message open it: ``'every' must be``, ``Length of 'tags' must be``.
+_ATTRS_MESSAGE = re.compile(r"(?:Length of )?'([A-Za-z_][A-Za-z0-9_]*)' must ")
+
+
+def _refuse_a_required_name_setting(loaded: LoadedConfig, path: tuple[str | int, ...], name: str, cls: type) -> None:
+    """A config entry's ``name`` names the hook, so it can never give the hook a setting called ``name``: refuse a
+    class that needs one, instead of reporting a missing setting the entry seems to give."""
+    from nvtrain.plugins._describe import required_settings
+
+    if "name" in required_settings(cls):
+        raise loaded.error(
+            f"hook {name!r}: {cls.__qualname__} needs a setting 'name', which a config entry cannot give (the "
+            f"entry's 'name' is the hook to build); build it in code, passing name=...",
+            path,
+        )
 
 
 def _default_outputs(cls: type, settings: dict[str, Any], run_dir: Path, name: str) -> dict[str, Any]:

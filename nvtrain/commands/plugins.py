@@ -67,6 +67,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def _rows(info: PluginInfo) -> list[list[str]]:
     status = info.status.value if info.error is None else f"{info.status.value}: {info.error}"
+    status = status if info.note is None else f"{status} ({info.note})"
     head = [info.name, info.distribution or "-", info.version or "-"]
     if not info.hooks:
         return [[*head, "-", "-", "-", status]]

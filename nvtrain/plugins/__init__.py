@@ -24,13 +24,16 @@ from nvtrain.plugins._api import (
     load,
     load_all,
     refresh,
+    visible_records,
 )
 from nvtrain.plugins._build import build_hook
+from nvtrain.plugins._builtins import builtin_hooks
 from nvtrain.plugins._describe import HookInfo
 from nvtrain.plugins._environment import ALLOW_LIST_ENV, DISABLE_AUTOLOAD_ENV, allow_list, autoload_disabled
 from nvtrain.plugins._errors import (
     PluginError,
     PluginLoadError,
+    PluginNameError,
     PluginNotFoundError,
     PluginSettingsError,
 )
@@ -52,6 +55,7 @@ __all__ = [
     "PluginError",
     "PluginInfo",
     "PluginLoadError",
+    "PluginNameError",
     "PluginNotFoundError",
     "PluginSettingsError",
     "PluginStatus",
@@ -59,10 +63,12 @@ __all__ = [
     "autoload_disabled",
     "available",
     "build_hook",
+    "builtin_hooks",
     "entry_points",
     "hook_class",
     "load",
     "load_all",
     "refresh",
     "resolve_hook_class",
+    "visible_records",
 ]

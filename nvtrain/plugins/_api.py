@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from nvtrain.plugins._build import build_hook
+from nvtrain.plugins._builtins import shadowed_builtin, shadowing_error, shadowing_note
 from nvtrain.plugins._describe import HookInfo
 from nvtrain.plugins._environment import ALLOW_LIST_ENV, allow_list, autoload_disabled
 from nvtrain.plugins._errors import PluginNotFoundError
@@ -60,6 +61,8 @@ class PluginInfo:
     #: One line: why the plugin cannot be used (``status`` is ``ERROR`` or ``MISSING``).
     error: str | None = None
     hooks: tuple[HookInfo, ...] = ()
+    #: One line about a usable plugin: its name is also a built-in hook's, so the bare name is refused.
+    note: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -75,6 +78,7 @@ class PluginInfo:
             "status": self.status.value,
             "error": self.error,
             "hooks": [hook.to_dict() for hook in self.hooks],
+            "note": self.note,
         }
 
 
@@ -127,12 +131,12 @@ def load(spec: str, /, **settings: Any) -> Any:
     constructor arguments; an unknown name raises :class:`PluginSettingsError` with the
     accepted ones, and the class's validators check the values. A broken plugin raises
     :class:`PluginLoadError`; an unknown or filtered-out one :class:`PluginNotFoundError`.
-    Works when autoloading is disabled: naming a plugin is explicit activation.
+    Works when autoloading is disabled: naming a plugin is explicit activation. A bare
+    name that is also a built-in hook's (``clip``) raises :class:`PluginNameError`, as a
+    config naming it does: ``"clip:ClassName"`` picks the plugin.
     """
-    name, _, class_name = spec.partition(":")
-    record = _visible_record(name)
-    cls = _pick_class(REGISTRY.load(record), class_name or None)
-    return build_hook(cls, settings, label=record.label)
+    record = _visible_record(spec.partition(":")[0])
+    return build_hook(hook_class(spec), settings, label=record.label)
 
 
 def load_all(config: Mapping[str, Mapping[str, Any] | None]) -> list[Any]:
@@ -141,9 +145,13 @@ def load_all(config: Mapping[str, Mapping[str, Any] | None]) -> list[Any]:
 
 
 def hook_class(spec: str) -> type:
-    """The class ``load(spec)`` would build, without building it."""
+    """The class ``load(spec)`` would build, without building it (refusing the same names ``load()`` refuses)."""
     name, _, class_name = spec.partition(":")
-    return _pick_class(REGISTRY.load(_visible_record(name)), class_name or None)
+    record = _visible_record(name)
+    builtin = shadowed_builtin(name)
+    if builtin is not None and not class_name:
+        raise shadowing_error(record, builtin)
+    return _pick_class(REGISTRY.load(record), class_name or None)
 
 
 def visible_records() -> list[EntryPointRecord]:
@@ -179,8 +187,9 @@ def _info(record: EntryPointRecord, outcome: LoadedPlugin | LoadFailure | None) 
     if isinstance(outcome, LoadFailure):
         return attrs.evolve(info, status=PluginStatus.ERROR, error=outcome.summary)
     if isinstance(outcome, LoadedPlugin):
-        return attrs.evolve(info, status=PluginStatus.OK, hooks=outcome.hooks)
-    return info
+        note = shadowing_note(record.name, outcome.classes[0].__name__)
+        return attrs.evolve(info, status=PluginStatus.OK, hooks=outcome.hooks, note=note)
+    return attrs.evolve(info, note=shadowing_note(record.name, None))
 
 
 def _visible_record(name: str) -> EntryPointRecord:

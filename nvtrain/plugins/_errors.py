@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PluginError", "PluginLoadError", "PluginNotFoundError", "PluginSettingsError"]
+__all__ = ["PluginError", "PluginLoadError", "PluginNameError", "PluginNotFoundError", "PluginSettingsError"]
 
 
 class PluginError(Exception):
@@ -27,6 +27,15 @@ class PluginLoadError(PluginError, ImportError):
 
 class PluginNotFoundError(PluginError, LookupError):
     """No visible entry point (or hook class) has the requested name."""
+
+
+class PluginNameError(PluginNotFoundError):
+    """The requested name is not one hook: an installed plugin and a built-in hook share it.
+
+    ``load("clip")`` and a config's ``clip`` are refused alike, rather than each picking
+    a different class; ``"clip:ClassName"`` names the plugin's hook, the built-in's
+    import path the built-in.
+    """
 
 
 class PluginSettingsError(PluginError, TypeError):

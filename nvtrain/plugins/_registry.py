@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -153,6 +154,8 @@ def _import(record: EntryPointRecord) -> LoadedPlugin | LoadFailure:
         raise
     except BaseException as err:  # a sys.exit() at import too: reported by available(), raised by load()
         return LoadFailure(record, one_line(err), err)
+    if not inspect.ismodule(target):
+        return LoadFailure(record, _not_a_module(record, target), None)
     classes = getattr(target, HOOKS_ATTRIBUTE, None)
     problem = _check_classes(classes)
     if problem is not None:
@@ -166,6 +169,17 @@ def _import(record: EntryPointRecord) -> LoadedPlugin | LoadFailure:
     return LoadedPlugin(record=record, target=target, classes=tuple(classes), hooks=hooks)
 
 
+def _not_a_module(record: EntryPointRecord, target: object) -> str:
+    """The entry point names a class (or another object) where nvtrain reads a module's ``__nvtrain_hooks__``."""
+    kind = "class" if isinstance(target, type) else type(target).__name__
+    what = getattr(target, "__qualname__", None) or repr(target)
+    module = record.value.partition(":")[0].strip()
+    return (
+        f"the entry point names {kind} {what}, not a module; point it at the module that lists the hook classes "
+        f'in {HOOKS_ATTRIBUTE}: {record.name} = "{module}"'
+    )
+
+
 def _check_classes(classes: object) -> str | None:
     what = "a non-empty tuple of hook classes, the first being the one load() builds"
     if classes is None:
@@ -177,5 +191,3 @@ def _check_classes(classes: object) -> str | None:
         listed = ", ".join(repr(c) for c in not_classes)
         return f"declares {HOOKS_ATTRIBUTE} with entries that are not classes ({listed}); expected {what}"
     return None
-
-
