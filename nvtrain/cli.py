@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -66,6 +67,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C during training, or one outside a run
         print(f"\nnvtrain {args.command}: interrupted", file=sys.stderr, flush=True)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (``nvtrain plugins --json | head``): stop quietly
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+#: The status of a command whose stdout was closed under it, as a shell reports a process SIGPIPE ended.
+EXIT_BROKEN_PIPE = 128 + 13
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit does not fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor behind stdout (replaced in-process): nothing to flush
+        pass
 
 
 def _command_module(name: str, module_name: str) -> ModuleType:

@@ -199,3 +199,39 @@ def test_python_dash_m_nvtrain_runs_the_command(fake_plugins: Path) -> None:
     assert done.returncode == 0, done.stderr
     names = {entry["name"]: entry["status"] for entry in json.loads(done.stdout)}
     assert (names["cli-good"], names["cli-broken"]) == ("ok", "error")
+
+
+def test_json_stays_a_document_when_a_plugin_prints_as_it_is_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.fake_plugin_site import FakePluginSite
+
+    site = FakePluginSite(tmp_path / "site", monkeypatch)
+    try:
+        module = site.module("chatty", 'print("hello from a chatty plugin")\n__nvtrain_hooks__ = ()\n')
+        site.install("nvtrain-chatty", {"chatty": module})
+        assert cli.main(["plugins", "--json"]) == 0
+        captured = capsys.readouterr()
+    finally:
+        site.close()
+    assert "chatty" in [info["name"] for info in json.loads(captured.out)]
+    assert "hello from a chatty plugin" in captured.err
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly() -> None:
+    """``nvtrain plugins --json | head -c 10``: no traceback, the status a shell gives a process SIGPIPE ended."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write: EPIPE at once
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "nvtrain", "plugins", "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == cli.EXIT_BROKEN_PIPE == 141
+    assert done.stderr == ""

@@ -9,7 +9,9 @@ lists them from metadata without importing them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -30,10 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from nvtrain import plugins
 
-    infos = plugins.available()
-    if args.json:
+    if args.json:  # a plugin that prints as it is imported must not break the document: its output goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            infos = plugins.available()
         print(json.dumps([info.to_dict() for info in infos], indent=2))
         return 0
+    infos = plugins.available()
     if infos:
         print(format_table(COLUMNS, [row for info in infos for row in _rows(info)]))
     else:
