@@ -259,7 +259,7 @@ def _constructing(loaded: LoadedConfig, path: tuple[str | int, ...], what: str, 
         raise
     except NOT_REFUSALS:  # out of memory, a failing device or process group: the run's failure, with its traceback
         raise
-    except (ValueError, TypeError, KeyError, IndexError, AssertionError, ImportError, RuntimeError) as err:
+    except refusals() as err:
         # ImportError: a factory needing what is not installed (the digits job without scikit-learn);
         # RuntimeError: what torch raises for an argument it refuses (manual_seed('abc')), as factories do too
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -278,6 +278,14 @@ def _not_refusals() -> tuple[type[BaseException], ...]:
 
 #: RuntimeErrors that are the run's failure, never the config's: they propagate with their traceback.
 NOT_REFUSALS = _not_refusals()
+
+
+def refusals() -> tuple[type[Exception], ...]:
+    """What a factory or a hook raises to refuse what it is given (one line, not a traceback).
+
+    Catch :data:`NOT_REFUSALS` first: those RuntimeErrors are the run's failure, never a refusal.
+    """
+    return (ValueError, TypeError, KeyError, IndexError, AssertionError, ImportError, RuntimeError)
 
 
 def _blame(loaded: LoadedConfig, path: tuple[str | int, ...], message: str) -> tuple[str | int, ...]:

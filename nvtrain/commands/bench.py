@@ -14,15 +14,26 @@ CSV logger's path, what a hook class declares in output_settings such as
 stage_timing's output, even one the config sets, and the logging hooks' run
 directory) goes there, a hook's resume is set to never (a bench run never loads
 a checkpoint), and the progress bar is off. Before measuring, the stack runs
-SETUP and one step on the bench model, so a hook that refuses it is one line.
+SETUP and one step on the bench model, so a hook that refuses it (raising what
+`nvtrain train` takes for a refusal: ValueError, TypeError, KeyError, IndexError,
+AssertionError, ImportError, a RuntimeError but out-of-memory or accelerator
+errors) is one line.
 
 Settings a hook requires get bench defaults with --hooks (amp: precision auto;
 clip: max_norm 1.0; checkpoint: step_interval 100); --set KEY=VALUE changes any
-setting the way `nvtrain train --set` does (hooks are addressed by name).
+setting the way `nvtrain train --set` does (hooks are addressed by name). Without
+--config the built-in job does not check the hooks against its validation section
+(validation.use_ema with two EMA hooks, early stopping's monitor): the bench never
+validates. A --config's checks apply, located in that file.
+
+With --json, stdout holds the JSON document alone: what Python code prints while
+the stack is imported, built and measured goes to stderr (output of C code or of
+a subprocess is not redirected). Runs cycle through 64 distinct seeded batches,
+so memory does not grow with --steps; --threads is at most 4 per CPU.
 
 Exit status: 0 measured; 2 bad arguments (an unknown or unavailable --device
-too), config or hook settings, or a hook refusing the bench model at SETUP or
-its first step.
+or --threads past 4 per CPU too), config or hook settings, or a hook refusing
+the bench model at SETUP or its first step.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -40,7 +52,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 if TYPE_CHECKING:
     from nvtrain.config import LoadedConfig
 
-__all__ = ["BENCH_SETTINGS", "HELP", "add_arguments", "contained", "device_problem", "run"]
+__all__ = ["BENCH_SETTINGS", "HELP", "add_arguments", "contained", "device_problem", "max_threads", "run"]
 
 HELP = "measure hook dispatch and per-step overhead of a hook stack (--hooks or --config)"
 
@@ -91,26 +103,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dispatch.add_argument(
         "--rounds", type=int, help=f"timed runs per candidate (default {FULL[1]}; --quick {QUICK[1]})"
     )
-    dispatch.add_argument("--threads", type=int, default=1, help="torch intra-op threads while measuring (default 1)")
+    dispatch.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads while measuring (default 1; at most 4 per CPU)"
+    )
     dispatch.add_argument("--device", default="cpu", help="torch device (default cpu)")
     dispatch.add_argument("--quick", action="store_true", help="fewer, shorter runs: a rough figure in seconds")
-    dispatch.add_argument("--json", action="store_true", help="print JSON (for CI) instead of tables")
+    dispatch.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON (for CI) instead of tables; what Python code prints meanwhile goes to stderr",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    document = sys.stdout
+    with _prints_to_stderr() if args.json else contextlib.nullcontext():
+        report = _report(args)
+    if report is None:
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report), file=document)
+    return 0
+
+
+def _prints_to_stderr() -> contextlib.AbstractContextManager[object]:
+    """What Python code prints goes to stderr while it is active: a hook printing progress must not
+    break the JSON document on stdout (C code and subprocesses write to the file descriptor directly)."""
+    return contextlib.redirect_stdout(sys.stderr)
+
+
+def max_threads() -> int:
+    """The most ``--threads`` a measurement takes: 4 per CPU. More only measures contention, and
+    thousands make the OpenMP runtime fail to start them, or crash."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def _report(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Build, try and measure the stack; None (the reason printed on stderr) when the arguments are refused."""
     from nvtrain.commands.bench_stack import StackRefused
     from nvtrain.config import ConfigError
 
     steps, rounds = QUICK if args.quick else FULL
     steps = args.steps if args.steps is not None else steps
     rounds = args.rounds if args.rounds is not None else rounds
-    if steps < 3 or rounds < 1 or args.threads < 1:
-        print("nvtrain bench: error: --steps must be >= 3, --rounds >= 1 and --threads >= 1", file=sys.stderr)
-        return 2
-    problem = device_problem(args.device)
+    problem = _count_problem(steps, rounds, args.threads) or device_problem(args.device)
     if problem is not None:
         print(f"nvtrain bench: error: {problem}", file=sys.stderr)
-        return 2
+        return None
     names = [name.strip() for name in args.hooks.split(",") if name.strip()]
     with _scratch() as scratch:
         try:
@@ -118,17 +156,21 @@ def run(args: argparse.Namespace) -> int:
             _try_stack(build(), args)  # every error in the config, the settings or at SETUP surfaces here
         except (ConfigError, ImportError) as err:
             print(f"nvtrain bench: error: {_located(err, names)}", file=sys.stderr)
-            return 2
+            return None
         except StackRefused as err:
             print(f"nvtrain bench: error: {_source(args.config, names)}: {err}", file=sys.stderr)
-            return 2
+            return None
         report = _measure(build, args, steps, rounds)
     report["source"] = _source(args.config, names)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report))
-    return 0
+    return report
+
+
+def _count_problem(steps: int, rounds: int, threads: int) -> str | None:
+    if steps < 3 or rounds < 1 or threads < 1:
+        return "--steps must be >= 3, --rounds >= 1 and --threads >= 1"
+    if threads > max_threads():
+        return f"--threads {threads} is more than {max_threads()} (4 per CPU; this machine has {os.cpu_count() or 1})"
+    return None
 
 
 def _try_stack(stack: Sequence[object], args: argparse.Namespace) -> None:
@@ -174,7 +216,8 @@ def stack_builder(
     """A function building the stack afresh, each time into a new folder under ``scratch``.
 
     The hooks come from ``config`` (as ``nvtrain train`` builds them, logging hooks
-    included but the progress bar off) plus ``names``; without a config only ``names``.
+    included but the progress bar off) plus ``names``; without a config only ``names``,
+    which the built-in job's validation section does not check (:func:`_hooks_alone`).
     Every output location lands in that folder and no hook resumes (:func:`contained`),
     so a bench leaves nothing behind and never measures a run resumed from elsewhere.
     """
@@ -193,10 +236,25 @@ def stack_builder(
     def build() -> list[object]:
         folder = scratch / f"run{next(counter)}"
         fixed = [f"output_dir={json.dumps(str(folder))}", "logging.progress_bar=false"]
-        loaded = load_config(config, [*base, *overrides, *fixed])
-        return list(prepare(contained(loaded), world_size=1).hooks)
+        loaded = contained(load_config(config, [*base, *overrides, *fixed]))
+        if config is None:
+            return _hooks_alone(loaded)
+        return list(prepare(loaded, world_size=1).hooks)
 
     return build
+
+
+def _hooks_alone(loaded: LoadedConfig) -> list[object]:
+    """The hooks and logging hooks of ``loaded``, each built and checked as ``nvtrain train`` does.
+
+    Without ``--config`` the job around them is the built-in one, not the user's, and the
+    bench never validates: its cross-checks of the hooks against its validation section
+    (``use_ema`` with two EMA hooks, early stopping's ``monitor`` against its metrics)
+    would refuse the stack for a job nobody runs.
+    """
+    from nvtrain.app.hook_stack import build_hooks, run_logging_hooks
+
+    return [*build_hooks(loaded, [Path.cwd()]), *run_logging_hooks(loaded)]
 
 
 def contained(loaded: LoadedConfig) -> LoadedConfig:

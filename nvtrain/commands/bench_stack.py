@@ -8,6 +8,9 @@
   hooks and the strategy with the stack, the garbage collector off while timing: the
   whole run per step, and single steps from one batch hand-out to the next.
 
+Every run trains on the same :data:`BATCH_POOL` seeded batches, in turn, so memory
+does not grow with the number of steps.
+
 The benchmark suite has its own harness (``benchmarks/harness.py``, not installed),
 which trains the same two MLPs.
 """
@@ -16,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import re
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 import attrs
 import torch
@@ -31,9 +36,10 @@ from nvtrain.stages import BATCH_STAGES, UPDATE_STAGES, TrainingStage
 from nvtrain.strategy import TrainingStrategy
 from nvtrain.validators import FieldProblem
 
-__all__ = ["MLP", "MODELS", "StackRefused", "stack_report", "trial_step"]
+__all__ = ["BATCH_POOL", "MLP", "MODELS", "Batches", "StackRefused", "stack_report", "trial_step"]
 
 Hooks = Callable[[], Sequence[object]]
+Batch = tuple[torch.Tensor, torch.Tensor]
 #: Builds a loop for a timed round, its warm-up step taken: (run over the batches, close or None).
 Loop = Callable[[], tuple[Callable[[Any], object], Callable[[], object] | None]]
 
@@ -56,13 +62,45 @@ class MLP:
         first, second = torch.nn.Linear(self.inputs, self.hidden), torch.nn.Linear(self.hidden, self.outputs)
         return torch.nn.Sequential(first, torch.nn.ReLU(), second).to(device)
 
-    def batches(self, steps: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, steps: int, device: torch.device) -> Batches:
+        """``steps`` seeded batches: the first :data:`BATCH_POOL` distinct, then the same ones again in turn."""
         gen = torch.Generator().manual_seed(0)
-        batches = []
-        for _ in range(steps):
+        pool = []
+        for _ in range(min(steps, BATCH_POOL)):
             inputs = torch.randn(self.batch, self.inputs, generator=gen).to(device)
-            batches.append((inputs, torch.randn(self.batch, self.outputs, generator=gen).to(device)))
-        return batches
+            pool.append((inputs, torch.randn(self.batch, self.outputs, generator=gen).to(device)))
+        return Batches(pool, steps)
+
+
+#: Distinct batches a run cycles through. A step's cost does not depend on the values it trains on, so a
+#: fixed pool measures what fresh batches would, in memory that stays the same however long the run.
+BATCH_POOL = 64
+
+
+class Batches(Sequence[Batch]):
+    """``steps`` batches, the ``pool`` handed out in turn (step ``i`` trains on ``pool[i % len(pool)]``)."""
+
+    def __init__(self, pool: Sequence[Batch], steps: int) -> None:
+        if steps > 0 and not pool:
+            raise ValueError(f"Batches: {steps} steps need at least one batch in the pool (got none)")
+        self.pool, self.steps = list(pool), steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    @overload
+    def __getitem__(self, index: int) -> Batch: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Batch]: ...
+    def __getitem__(self, index: int | slice) -> Batch | list[Batch]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.steps))]
+        if not -self.steps <= index < self.steps:
+            raise IndexError(f"Batches: step {index} is outside the run's {self.steps} steps")
+        return self.pool[index % self.steps % len(self.pool)]
+
+    def __iter__(self) -> Iterator[Batch]:
+        return itertools.islice(itertools.cycle(self.pool), self.steps)  # as fast to walk as a list
 
 
 #: ``--model``: the MLPs of the benchmark suite (TINY_MLP and LARGE_MLP there).
@@ -85,10 +123,16 @@ def _strategy(mlp: MLP, hooks: Sequence[object], device: torch.device) -> Traini
 
 
 class StackRefused(Exception):
-    """A hook of the stack refused the bench model at ``where`` (SETUP, the first step); ``cause`` says why."""
+    """A hook of the stack refused the bench model at ``where`` (SETUP, the first step); ``cause`` says why.
+
+    A ValueError or TypeError (a field check) reads as its message; other refusals name their type too, as
+    a KeyError's message is only the missing key.
+    """
 
     def __init__(self, where: str, hook: str | None, cause: Exception) -> None:
-        text = " ".join(str(cause).split()) or type(cause).__name__
+        text = " ".join(str(cause).split())
+        if not text or not isinstance(cause, (FieldProblem, ValueError, TypeError)):
+            text = ": ".join(part for part in (type(cause).__name__, text) if part)
         super().__init__(f"{f'hook {hook!r} ' if hook else ''}at {where}: {text}")
         self.where, self.hook, self.cause = where, hook, cause
 
@@ -106,25 +150,42 @@ def trial_step(hooks: Sequence[object], *, model: MLP = MODELS["tiny"], device: 
         ("SETUP", lambda strategy: strategy.setup()),
         ("the first step", lambda strategy: strategy.train_batch(first)),
     ]
-    try:
+    with _refused_as("registration", hooks):
         strategy = _strategy(model, hooks, where)
-    except (FieldProblem, ValueError, TypeError) as err:
-        raise StackRefused("registration", _culprit(hooks, err), err) from err
     with strategy:
         for stage, call in stages:
-            try:
+            with _refused_as(stage, hooks):
                 call(strategy)
-            except (FieldProblem, ValueError, TypeError) as err:
-                raise StackRefused(stage, _culprit(hooks, err), err) from err
+
+
+@contextlib.contextmanager
+def _refused_as(where: str, hooks: Sequence[object]) -> Iterator[None]:
+    """A refusal raised in the block as :class:`StackRefused` at ``where``, by the rule ``nvtrain train`` uses
+    for a factory's refusal; out-of-memory and accelerator errors propagate with their traceback."""
+    from nvtrain.app.building import NOT_REFUSALS, refusals
+
+    refused: tuple[type[Exception], ...] = (FieldProblem, *refusals())
+    try:
+        yield
+    except NOT_REFUSALS:
+        raise
+    except refused as err:
+        raise StackRefused(where, _culprit(hooks, err), err) from err
 
 
 def _culprit(hooks: Sequence[object], err: Exception) -> str | None:
-    """The name of the hook whose class the error names (``owner``, or the message's first word), or None."""
+    """The name of the hook whose class the error names (``owner``, or the message's first word), else of the
+    hook whose method raised it (the innermost frame of the traceback with a hook as ``self``), or None."""
     owner = err.owner if isinstance(err, FieldProblem) else ""
     first_word = re.split(r"[.:\s(]", str(err).strip(), maxsplit=1)[0]
     for hook in hooks:
         if type(hook).__name__ == (owner or first_word):
             return _name(hook)
+    raisers = [frame.f_locals.get("self") for frame, _ in traceback.walk_tb(err.__traceback__)]
+    for raiser in reversed(raisers):
+        for hook in hooks:
+            if raiser is hook:
+                return _name(hook)
     return None
 
 
