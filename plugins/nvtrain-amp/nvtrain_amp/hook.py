@@ -40,6 +40,8 @@ _BEFORE_BATCH = TrainingStage.BEFORE_BATCH
 _DO_BACKWARD = TrainingStage.DO_BACKWARD
 _DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
 _AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
+#: GradScaler's record that it stepped an optimizer this batch (``scaler.step()``), as opposed to only unscaled it.
+_STEPPED = torch.amp.grad_scaler.OptState.STEPPED
 
 
 def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
@@ -223,7 +225,8 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
     def abort_batch(self) -> None:
         """The batch raised: leave its autocast region now, not at the next batch (the caller's code, or a
         ``validate()`` in full precision, would run under it), and settle a scaler the batch unscaled
-        (``update()``, as the step would have), so a state saved now resumes as the run goes on."""
+        (``update()`` when an optimizer stepped, as the step would have; else the unscale is forgotten, the
+        batch running again whole), so a state saved now resumes as the run goes on."""
         self._close_autocast()
         self._batch_stepped = None
         self._settle_scaler()
@@ -474,10 +477,20 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         return loss
 
     def _settle_scaler(self) -> None:
-        """``update()`` for a batch that unscaled and did not reach AFTER_OPTIMIZER_STEP: the scaler is ready again."""
-        if self._unscaled and self._scaler is not None:
+        """Ready the scaler again after a batch that unscaled and did not reach AFTER_OPTIMIZER_STEP.
+
+        When an optimizer stepped, the step is kept (the run counts it), so ``update()`` counts it
+        too. When none did, the batch runs again whole: its unscale is forgotten without an
+        ``update()``, which would count a clean step and grow the scale one step early.
+        """
+        scaler = self._scaler
+        if self._unscaled and scaler is not None:
             self._unscaled = ()
-            self._scaler.update()
+            stages = [state.get("stage") for state in scaler._per_optimizer_states.values()]
+            if _STEPPED in stages:
+                scaler.update()
+            else:
+                scaler._per_optimizer_states.clear()  # a defaultdict: what update() resets it to
 
     def _close_autocast(self) -> None:
         if self._autocast_open:

@@ -654,6 +654,42 @@ def test_a_batch_that_raised_after_unscale_does_not_break_the_next() -> None:
     assert strategy.ctx.step_count == 1
 
 
+@pytest.mark.parametrize("growth_interval", [1, 2])
+def test_a_run_retried_after_a_failure_between_unscale_and_step_scales_as_a_straight_run(growth_interval: int) -> None:
+    """The failed attempt stepped nothing and runs again whole: it must not count as a clean step toward the
+    scale's growth (the retried run grew the scale one step early, and could overflow a step sooner)."""
+
+    @attrs.define(eq=False)
+    class RaiseOnceAtBatch(nvtrain.TrainingUpdateHook):
+        priority: int = 45  # after amp's unscale (40), before its step
+        stages = frozenset({S.DO_OPTIMIZER_STEP})
+        vetoes = frozenset()
+        raised: bool = False
+
+        def __call__(self, ctx: Any, stage: S, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
+            if ctx.batch_count == 2 and not self.raised:
+                self.raised = True
+                raise RuntimeError("transient")
+            return True, None
+
+    def run(extra: list[object]) -> tuple[MixedPrecisionHook, nvtrain.TrainingStrategy]:
+        amp = MixedPrecisionHook(precision="fp16", init_scale=2.0**8, growth_interval=growth_interval)
+        strategy = make_strategy([amp, *extra], num_epochs=1)
+        batches = make_batches(6)
+        if extra:
+            with pytest.raises(RuntimeError, match="transient"):
+                strategy.run(batches)
+        strategy.run(batches)
+        return amp, strategy
+
+    straight, straight_run = run([])
+    retried, retried_run = run([RaiseOnceAtBatch()])
+    assert retried_run.ctx.step_count == straight_run.ctx.step_count == 6
+    assert retried.state_dict()["scaler"] == straight.state_dict()["scaler"]
+    for name, tensor in straight_run.ctx.models["main"].state_dict().items():
+        assert torch.equal(retried_run.ctx.models["main"].state_dict()[name], tensor), name
+
+
 # -- state ------------------------------------------------------------------------------------------
 
 

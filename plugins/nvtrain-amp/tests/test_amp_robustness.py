@@ -65,7 +65,7 @@ def test_a_batch_that_raises_between_two_unscales_leaves_the_scaler_usable() -> 
         patch.setattr(type(hook.scaler), "unscale_", unscale_then_fail)
         with pytest.raises(KeyboardInterrupt):
             strategy.train_batch(data[1])
-    settled = scaler_progress(hook)  # what a checkpoint taken now holds: the interrupted batch counted
+    settled = scaler_progress(hook)  # what a checkpoint taken now holds: the interrupted batch not counted
     state = copy.deepcopy(strategy.state_dict())
     for batch in data[2:]:
         strategy.train_batch(batch)  # no "unscale_() has already been called" from here on
@@ -74,7 +74,8 @@ def test_a_batch_that_raises_between_two_unscales_leaves_the_scaler_usable() -> 
     resumed.load_state_dict(state)
     for batch in data[2:]:
         resumed.train_batch(batch)
-    assert settled == (8.0, 0)  # the interrupted batch counted: 2 clean steps of growth_interval=2 doubled it
+    # the interrupted batch stepped nothing and is trained again: 1 clean step of growth_interval=2 so far
+    assert settled == (4.0, 1)
     assert scaler_progress(resumed_hook) == scaler_progress(hook)
     for name in ("a", "b"):
         for got, want in zip(
