@@ -268,7 +268,7 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
             for optimizer in unscaled:
                 scaler.unscale_(optimizer)
                 done += 1
-        finally:  # also when one raises: those unscaled before it are due an update()
+        finally:  # also when one raises: those unscaled before it are settled (see _settle_scaler)
             self._unscaled = unscaled[:done]  # the tuple itself when all were
         if len(unscaled) > 1:
             _skip_together(scaler, unscaled)
