@@ -80,3 +80,12 @@ def test_naming_the_plugin_imports_it_and_reports_its_failure(
     assert main(["validate", str(write_job(tmp_path)), "--set", "hooks=[marking]"]) == EXIT_USAGE
     assert marker.read_text() == "imported"
     assert "RuntimeError: this plugin must not be imported" in capsys.readouterr().err
+
+
+def test_bench_imports_only_the_plugins_its_hooks_name(
+    site: FakePluginSite, marker: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = site.module("quiet", QUIET)
+    site.install("nvtrain-quiet", {"quiet": module})
+    assert main(["bench", "dispatch", "--hooks", "clip,quiet", "--steps", "3", "--rounds", "1"]) == 0, capsys.readouterr()
+    assert not marker.exists()

@@ -296,12 +296,12 @@ def _hook_class(name: str, search: Sequence[Path]) -> object:
     from nvtrain.config import resolve_import_path
 
     builtin = builtin_hook_classes()
-    if name in builtin:
+    installed = {record.name for record in plugins.visible_records()}  # metadata: nothing is imported yet
+    if name in builtin and name not in installed:  # both: ambiguous, which prepare() reports
         return builtin[name]
     try:
-        installed = {info.name for info in plugins.available() if info.status != plugins.PluginStatus.MISSING}
         if name.partition(":")[0] in installed:
-            return plugins.hook_class(name)
+            return plugins.hook_class(name)  # imports this plugin alone
         return resolve_import_path(name, search) if ":" in name else None
     except Exception:  # any failure is reported, located, when prepare() builds the stack
         return None
