@@ -44,6 +44,23 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path: Path)
     assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
 
 
+@pytest.mark.parametrize("length", [12, 250])  # 250: the temporary name is cut short to fit NAME_MAX
+def test_an_os_error_naming_the_temporary_file_names_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, length: int
+) -> None:
+    """A full disk at the rename says which file could not be written, not a hidden name nobody asked for."""
+    target = tmp_path / ("m" * (length - 4) + ".png")
+
+    def no_room(source: str, destination: object) -> None:
+        raise OSError(28, "No space left on device", source)
+
+    monkeypatch.setattr(os, "replace", no_room)
+    with pytest.raises(OSError) as caught, replaced_atomically(target, suffix=".png") as tmp:
+        tmp.write_bytes(b"image")
+    assert caught.value.filename == str(target)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.usefixtures("umask_022")
 def test_a_runs_metrics_config_and_plot_are_readable_by_others(tmp_path: Path) -> None:
     from nvtrain.cli import main

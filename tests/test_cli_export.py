@@ -50,10 +50,10 @@ def test_export_writes_the_weights_and_the_ema_average(
 ) -> None:
     saved = _saved(checkpoints)
     assert main(["export", str(checkpoints), str(tmp_path / "model.pt")]) == 0
-    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'model.pt'} (the weights, ")
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'model.pt'} (the weights of step_4, ")
     _assert_same(saved["weights"], tmp_path / "model.pt")
     assert main(["export", str(checkpoints / "step_4"), str(tmp_path / "out" / "ema.pt"), "--ema"]) == 0
-    assert "(the EMA average, " in capsys.readouterr().out
+    assert "(the EMA average of step_4, " in capsys.readouterr().out
     _assert_same(saved["ema"], tmp_path / "out" / "ema.pt")
     assert main(["export", str(checkpoints), str(tmp_path / "key.pt"), "--ema-key", "ema:main", "--model", "main"]) == 0
     _assert_same(saved["ema"], tmp_path / "key.pt")

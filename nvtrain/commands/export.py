@@ -10,10 +10,12 @@ complete checkpoint); sharded (FSDP) checkpoints are consolidated in this proces
 OUTPUT receives what model.state_dict() of the plain model holds, written atomically;
 it loads with torch.load(OUTPUT, weights_only=True) and load_state_dict, without nvtrain.
 --ema takes the average of the EMA hook that served the model (its state "ema:<model>");
---ema-key KEY names another hook state. Needs the nvtrain-checkpoint plugin.
+--ema-key KEY names another hook state (with --model, one that averages that model).
+OUTPUT may not lie inside the checkpoint or its root. Needs the nvtrain-checkpoint plugin.
 
-Exit status: 0 written; 1 OUTPUT could not be written (left as it was); 2 no such checkpoint, a damaged
-one, or no such model or average.
+Exit status: 0 written (the line names the step read); 1 OUTPUT could not be written (left as it was);
+2 no such checkpoint, a damaged one, no such model or average, or an OUTPUT that is empty, a directory
+or inside the checkpoint root.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         export_weights = checkpoint_plugin_function("export_weights", "nvtrain export")
-        ema = args.ema_key if args.ema_key else args.ema
-        written = export_weights(args.checkpoint, args.output, args.model, ema=ema)
+        ema = args.ema_key if args.ema_key is not None else args.ema  # an empty key is refused, not taken for none
+        read: list[Path] = []
+        written = export_weights(args.checkpoint, args.output, args.model, ema=ema, on_checkpoint=read.append)
     except (ImportError, ResumeError, ValueError) as err:  # a CheckpointError is a ResumeError
         print(f"nvtrain export: error: {' '.join(str(err).split())}", file=sys.stderr)
         return EXIT_USAGE
@@ -56,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
         else:  # reading the checkpoint failed below what its checks name
             print(f"nvtrain export: error: cannot read {args.checkpoint}: {err}", file=sys.stderr)
         return EXIT_FAILURE
-    what = "the EMA average" if ema else "the weights"
-    print(f"wrote {written} ({what}, {written.stat().st_size / 1e6:.1f} MB)")
+    what = "the EMA average" if ema is not False else "the weights"
+    print(f"wrote {written} ({what} of {read[-1].name}, {written.stat().st_size / 1e6:.1f} MB)")
     return EXIT_OK
 
 

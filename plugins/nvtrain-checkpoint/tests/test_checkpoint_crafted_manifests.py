@@ -141,4 +141,4 @@ def test_an_explicit_resume_path_in_a_newer_format_gets_the_advice_of_the_direct
 
 def test_the_manifest_reader_names_the_plugin_as_the_hook_does() -> None:
     """The newer-format refusal looks up the writer's version under the hook's plugin name."""
-    assert storage._PLUGIN_NAME == CheckpointHook.plugin_name
+    assert CheckpointHook.plugin_name == storage._PLUGIN_NAME

@@ -122,7 +122,7 @@ def test_the_ema_of_the_chosen_model_is_taken_by_its_key(tmp_path: Path) -> None
     assert _exported(checkpoint, tmp_path, "teacher") == 1.0
     assert _exported(checkpoint, tmp_path, "teacher", ema=True) == 20.0
     assert _exported(checkpoint, tmp_path, "main", ema=True) == 10.0
-    assert _exported(checkpoint, tmp_path, "main", ema="ema:teacher") == 20.0
+    assert _exported(checkpoint, tmp_path, "teacher", ema="ema:teacher") == 20.0
     with pytest.raises(ValueError, match=r"holds the models \['main', 'teacher'\]: name the one to export"):
         _exported(checkpoint, tmp_path, ema=True)
     with pytest.raises(ValueError, match=r"holds no EMA state 'amp' \(EMA states: \['ema:main', 'ema:teacher'\]\)"):
@@ -139,9 +139,7 @@ def test_one_model_with_one_average_under_another_key_is_taken(tmp_path: Path) -
 
 def test_asking_for_an_average_the_checkpoint_lacks_names_what_it_has(tmp_path: Path) -> None:
     none = _checkpoint(tmp_path / "none", ["main"], {})
-    with pytest.raises(
-        ValueError, match=r"holds no EMA average of model 'main' \(no hook state 'ema:main'; EMA states: \[\]\)"
-    ):
+    with pytest.raises(ValueError, match=r"holds no EMA average: its run had no EMA hook"):
         _exported(none, tmp_path, ema=True)
     two = _checkpoint(tmp_path / "two", ["main", "other"], {"ema:slow": _average(1.0), "ema:fast": _average(2.0)})
     with pytest.raises(ValueError, match=r"EMA states: \['ema:fast', 'ema:slow'\]\); name the one to export"):
