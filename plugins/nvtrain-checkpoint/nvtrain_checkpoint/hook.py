@@ -180,18 +180,21 @@ class CheckpointHook:
         model_key: str | None = None,
         *,
         ema: bool | str = False,
+        on_checkpoint: Callable[[Path], object] | None = None,
     ) -> Path:
         """Write one model's weights as one plain ``state_dict`` file, for inference.
 
         From ``checkpoint`` (a checkpoint directory or root; default: the latest under
         ``checkpoint_dir``), sharded or not: a sharded one is consolidated into full tensors
         in this process. ``model_key`` may be left out when there is one model (or ``ema`` names
-        the average by its key). ``ema=True``
-        writes the model's EMA average instead (see :func:`nvtrain_checkpoint.export_weights`).
-        The file loads with ``torch.load(path, weights_only=True)`` into the plain model.
+        the average by its key; with ``model_key`` too, it must be that model's average).
+        ``ema=True`` writes the model's EMA average instead; ``on_checkpoint`` is told the
+        checkpoint directory read (see :func:`nvtrain_checkpoint.export_weights`). ``path`` may
+        not lie inside the checkpoint root read. The file loads with
+        ``torch.load(path, weights_only=True)`` into the plain model.
         """
         source = self.checkpoint_dir if checkpoint is None else checkpoint
-        return export_weights(source, path, model_key, ema=ema)
+        return export_weights(source, path, model_key, ema=ema, on_checkpoint=on_checkpoint)
 
     def saved_state(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
         """The checkpoint's training state, mapped without reading the tensors' data, so ``nvtrain validate``

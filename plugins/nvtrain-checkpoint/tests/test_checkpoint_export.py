@@ -59,7 +59,9 @@ def assert_same(expected: dict[str, torch.Tensor], exported: dict[str, torch.Ten
 def test_a_single_file_checkpoint_exports_the_weights_and_the_ema_average(tmp_path: Path) -> None:
     strategy, ema = train(tmp_path / "checkpoints")
     hook = CheckpointHook(tmp_path / "checkpoints")
-    weights = torch.load(hook.export(tmp_path / "model.pt"), weights_only=True)
+    read: list[Path] = []
+    weights = torch.load(hook.export(tmp_path / "model.pt", on_checkpoint=read.append), weights_only=True)
+    assert [path.name for path in read] == [f"step_{strategy.ctx.step_count}"]  # the latest, told to the caller
     assert_same(full(strategy.ctx.models["main"].state_dict()), weights)
     averaged = torch.load(hook.export(tmp_path / "ema.pt", ema=True), weights_only=True)
     assert_same(ema.averaged_weights(), averaged)  # the BatchNorm buffers too: the plain model's keys
