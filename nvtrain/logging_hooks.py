@@ -383,8 +383,8 @@ class _StepRecordLogger(_RunEndOutput):
     A subclass is an attrs class with the fields ``_reader`` (a :class:`StepLogReader`),
     ``_active``, ``_running``, ``_start_step``, ``_trim`` and ``state_key``; it writes a
     record in ``_write`` and releases its file in ``_release``. ``_start_step`` is the step
-    count at the first BEFORE_EPOCH, so after a resume it is the step the run resumed from
-    (0 for a fresh run). The steps after the last logging step are written when the
+    count at the first BEFORE_EPOCH when the run continues the logger's log (a resume, a second
+    ``run()``), else 0: a fresh run, ``start_step`` set or not. The steps after the last logging step are written when the
     run ends (AFTER_TRAINING, or ``close()`` after an exception). The smoothing state
     is the hook's checkpoint state (``state_dict``).
 
@@ -416,8 +416,8 @@ class _StepRecordLogger(_RunEndOutput):
         """At the run's first epoch, or a validation before it (one a preemption left owed): a resume has
         been applied by then, so the start step is known."""
         if self._active and self._start_step is None:
-            self._start_step = ctx.step_count
-            self._reader.begin(ctx)
+            continues = self._reader.begin(ctx)
+            self._start_step = ctx.step_count if continues else 0  # a fresh run replaces what the folder holds
 
     @hookimpl
     def after_batch(self, ctx: TrainingContext) -> None:
@@ -511,9 +511,11 @@ class CSVLoggerHook(_StepRecordLogger):
                 reader = csv.DictReader(file)
                 header = list(reader.fieldnames or ())
                 rows = list(reader)
-            columns += [c for c in header if c not in columns]
+            kept = self._kept_rows(rows) if self._trim else rows
+            if kept:  # the columns of the rows kept; a fresh run's file has its own
+                columns += [c for c in header if c not in columns]
             if self._trim:
-                self._write_file(columns, self._kept_rows(rows))
+                self._write_file(columns, kept)
             elif columns != header:  # outside a run: append, under a header with every logged column
                 self._write_file(columns, rows)
         else:

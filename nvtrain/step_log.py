@@ -66,6 +66,9 @@ class StepLogReader:
     _window_steps: int = 0
     #: The step count the smoothing state describes (None: none); a run starting elsewhere starts it afresh.
     _at_step: int | None = None
+    #: The last step of the log this reader has written or restored (None: none): a run starting at or before
+    #: it continues that log; kept when a failed run abandons its smoothing window.
+    _log_step: int | None = None
     _samples: int = 0
     #: Real steps in the open timing window (since the last training record).
     _steps: int = 0
@@ -95,15 +98,22 @@ class StepLogReader:
         self._restart_window(time.perf_counter())
         self._last_step, self._ctx, self._unrecorded = None, ctx, 0
 
-    def begin(self, ctx: TrainingContext) -> None:
+    def begin(self, ctx: TrainingContext) -> bool:
         """At the run's first BEFORE_EPOCH (a resume has been applied): keep the smoothing state only when it
-        describes this step (restored from the checkpoint, or left by a previous ``run()`` that ended here)."""
+        describes this step (restored from the checkpoint, or left by a previous ``run()`` that ended here).
+
+        Returns whether the run continues this reader's log: it starts at or before a step the reader
+        wrote or restored (a resume, a second ``run()``, a retry after a failure). A run that starts
+        at ``start_step`` with nothing restored is a fresh one, whatever its step.
+        """
+        continues = self._log_step is not None and ctx.step_count <= self._log_step
         if self._at_step != ctx.step_count:
             self._recent.clear()
             self._loss_sum, self._loss_batches, self._window_steps = None, 0, 0
-        self._at_step = ctx.step_count
+        self._at_step = self._log_step = ctx.step_count
         self._last_logged = ctx.step_count  # steps up to here belong to an earlier run
         self._ctx = ctx
+        return continues
 
     def observe_batch(self, ctx: TrainingContext) -> dict[str, float] | None:
         """Add the micro-batch to the window (no host sync); a record on a logging step."""
@@ -115,7 +125,7 @@ class StepLogReader:
             self._loss_batches += 1
         self._samples += batch_size(ctx.batch)
         self._unrecorded += 1
-        self._at_step, self._ctx = ctx.step_count, ctx
+        self._at_step, self._log_step, self._ctx = ctx.step_count, ctx.step_count, ctx
         if ctx.step_skipped:
             return None
         self._steps += 1
@@ -304,7 +314,7 @@ class StepLogReader:
             raise ValueError(f"not a logger's smoothing state ({type(err).__name__}: {err})") from None
         if not (step is None or isinstance(step, int)) or not (loss_sum is None or isinstance(loss_sum, torch.Tensor)):
             raise ValueError(f"not a logger's smoothing state (step {step!r}, loss_sum {type(loss_sum).__name__})")
-        self._at_step = step
+        self._at_step = self._log_step = step
         self._recent = collections.deque(windows)
         if loss_sum is not None:
             loss_sum = loss_sum.float()  # a state saved before the sum was float32 may hold a bf16 or fp16 one

@@ -141,11 +141,29 @@ def test_validation_rows_and_new_metric_columns(tmp_path: Path) -> None:
     assert float(rows[-1]["val_accuracy"]) == pytest.approx(float(summary["accuracy"]), rel=1e-5)
 
 
+def smoothing_state_at(step: int) -> dict[str, Any]:
+    """A logger's checkpoint state at ``step``, with an empty smoothing window."""
+    return {"step": step, "recent": [], "loss_sum": None, "loss_batches": 0, "window_steps": 0}
+
+
+def test_a_fresh_run_that_starts_counting_later_replaces_the_folders_rows(tmp_path: Path) -> None:
+    """``start_step`` with nothing restored is a fresh run: an earlier run's rows (and extra columns) are not its
+    own, whatever their steps."""
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,epoch,train_loss,grad_norm\n4,1,7.4,0.5\n8,1,9.8,0.4\n12,1,2.2,0.3\n", encoding="utf-8")
+    config = nvtrain.StepSchedulerConfig(start_step=8, ckpt_every_steps=None)
+    with strategy([CSVLoggerHook(path, log_every_n_steps=2)], max_steps=10, step_scheduler=config) as s:
+        s.run(batches(4))
+    header, rows = read_rows(path)
+    assert [row["step"] for row in rows] == ["10"] and "grad_norm" not in header
+
+
 def test_resumed_run_drops_rows_after_its_start(tmp_path: Path) -> None:
     path = tmp_path / "metrics.csv"
     path.write_text("step,epoch,train_loss\n2,0,1.0\n4,0,0.9\n6,0,0.8\n8,0,0.7\n", encoding="utf-8")
     hook = CSVLoggerHook(path, log_every_n_steps=2)
-    ctx = nvtrain.TrainingContext(step_count=4)  # as after a resume at step 4
+    hook.load_state_dict(smoothing_state_at(4))  # as a resume from the checkpoint of step 4 restores it
+    ctx = nvtrain.TrainingContext(step_count=4)
     hook.before_training(ctx)
     hook.before_epoch(ctx)
     ctx.loss, ctx.batch, ctx.step_count = torch.tensor(0.5), batches(1)[0], 6
@@ -157,11 +175,12 @@ def test_resumed_run_drops_rows_after_its_start(tmp_path: Path) -> None:
 
 def test_fresh_run_replaces_an_old_file(tmp_path: Path) -> None:
     path = tmp_path / "metrics.csv"
-    path.write_text("step,epoch,train_loss\n2,0,1.0\n4,0,0.9\n", encoding="utf-8")
+    path.write_text("step,epoch,train_loss,grad_norm\n2,0,1.0,0.5\n4,0,0.9,0.4\n", encoding="utf-8")
     with strategy([CSVLoggerHook(path, log_every_n_steps=2)], max_steps=2) as s:
         s.run(batches(2))
-    _, rows = read_rows(path)
+    header, rows = read_rows(path)
     assert [row["step"] for row in rows] == ["2"] and rows[0]["train_loss"] != "1.0"
+    assert "grad_norm" not in header  # the replaced file's columns went with its rows
 
 
 def test_only_rank_zero_writes(tmp_path: Path) -> None:
@@ -318,6 +337,8 @@ def test_tensorboard_resume_purges_later_events(tmp_path: Path) -> None:
 
     def log(start: int, steps: list[int], loss: float) -> None:
         hook = TensorBoardHook(tmp_path, log_every_n_steps=1)
+        if start:  # as a resume from the checkpoint of that step restores it
+            hook.load_state_dict(smoothing_state_at(start))
         ctx = nvtrain.TrainingContext(step_count=start)
         hook.before_training(ctx)
         hook.before_epoch(ctx)

@@ -270,6 +270,8 @@ def test_a_resume_from_the_diverged_step_keeps_both_of_its_rows(tmp_path: Path) 
 
     def log(start: int, losses: list[tuple[int, float]]) -> None:
         hook = CSVLoggerHook(path, log_every_n_steps=4)
+        if start:  # as a resume from the checkpoint of that step restores it
+            hook.load_state_dict({"step": start, "recent": [], "loss_sum": None, "loss_batches": 0, "window_steps": 0})
         ctx = nvtrain.TrainingContext(step_count=start)
         hook.before_training(ctx)
         hook.before_epoch(ctx)

@@ -120,8 +120,8 @@ class StageTimingHook:
     AFTER_FORWARD is timed, BEFORE_BACKWARD includes the backward pass when
     DO_BACKWARD is not). The interval of the last timed stage of a micro-batch
     runs until the first timed stage of the next one (step-boundary work and
-    loading the next batch); intervals cut by an epoch end, a flush or the end of
-    training are dropped.
+    loading the next batch); intervals cut by an epoch end or the end of training are
+    dropped (a flush closes the open one and leaves its own time out).
 
     The hook stamps each timed stage before any other implementation of it
     (``priority`` -1000): ``time.perf_counter()`` on CPU, a CUDA event on a CUDA
