@@ -80,7 +80,7 @@ def test_export_refuses_a_model_entry_that_is_no_state_dict_naming_the_file_and_
     ids=["empty", "a-list", "no-ranks"],
 )
 def test_a_malformed_sharded_entry_is_refused_naming_the_manifest_field(tmp_path: Path, entry: Any) -> None:
-    checkpoint = _save(tmp_path, 1)
+    checkpoint = _save(tmp_path / "checkpoints", 1)
     _edit_manifest(checkpoint, sharded=entry)
     message = (
         f"{checkpoint / storage.MANIFEST_NAME}: 'sharded' is malformed: expected a mapping "
