@@ -76,7 +76,8 @@ class FailAt:
             raise RuntimeError(f"failed before step {self.step}")
 
 
-def make(hooks: list[object], *, max_steps: int, every_n_steps: int) -> nvtrain.TrainingStrategy:
+def make(hooks: list[object], *, max_steps: int, every_n_steps: int | None) -> nvtrain.TrainingStrategy:
+    """A run validating every ``every_n_steps`` steps; None: never by a cadence (validate() only)."""
     torch.manual_seed(0)
     return nvtrain.TrainingStrategy(
         models=torch.nn.Linear(3, 2),
@@ -85,7 +86,9 @@ def make(hooks: list[object], *, max_steps: int, every_n_steps: int) -> nvtrain.
         hooks=hooks,
         device="cpu",
         max_steps=max_steps,
-        validation=ValidationConfig(data=batches(2, seed=5), every_n_steps=every_n_steps),
+        validation=ValidationConfig(
+            data=batches(2, seed=5), every_n_steps=every_n_steps, every_n_epochs=None if every_n_steps is None else "auto"
+        ),
     )
 
 
@@ -157,7 +160,7 @@ def test_a_stop_requested_after_validation_logs_the_last_step_once(
 def test_a_run_ended_by_an_exception_logs_its_last_steps_once(tmp_path: Path, fail_at: int, logged: list[str]) -> None:
     recorder = LossRecorder()
     _, _, stream, hooks = loggers(tmp_path, every=10)
-    strategy = make([recorder, FailAt(fail_at), *hooks], max_steps=40, every_n_steps=100)
+    strategy = make([recorder, FailAt(fail_at), *hooks], max_steps=40, every_n_steps=None)
     with pytest.raises(RuntimeError, match=f"failed before step {fail_at}"), strategy:
         strategy.run(batches(40))
     rows = training_rows(tmp_path / "metrics.csv")
@@ -172,7 +175,7 @@ def test_a_run_ended_by_an_exception_logs_its_last_steps_once(tmp_path: Path, fa
 def test_close_without_a_run_in_progress_writes_nothing(tmp_path: Path) -> None:
     hook = CSVLoggerHook(tmp_path / "metrics.csv", log_every_n_steps=2)
     hook.close()
-    with make([hook], max_steps=3, every_n_steps=100) as strategy:
+    with make([hook], max_steps=3, every_n_steps=None) as strategy:
         strategy.run(batches(3))
     hook.close()  # after AFTER_TRAINING: the last step (3) was written once, at the run's last step
     assert [row["step"] for row in training_rows(tmp_path / "metrics.csv")] == ["2", "3"]
@@ -344,7 +347,7 @@ def test_a_step_whose_logging_stage_never_ran_is_written_under_its_own_number(tm
     """The last row is step 3's (the step that happened), not a second row of step 2 holding step 3's losses."""
     _, _, stream, hooks = loggers(tmp_path, every=1)
     accumulation = [nvtrain.hooks.GradientAccumulationHook(steps=accumulate)] if accumulate > 1 else []
-    strategy = make([*accumulation, FailsAfterAStep(3), *hooks], max_steps=10, every_n_steps=100)
+    strategy = make([*accumulation, FailsAfterAStep(3), *hooks], max_steps=10, every_n_steps=None)
     with pytest.raises(RuntimeError, match="failed after step 3"), strategy:
         strategy.run(batches(40))
     steps = [row["step"] for row in training_rows(tmp_path / "metrics.csv")]

@@ -320,6 +320,8 @@ def _case(**changes: Any) -> Case:
     return Case(**{**base, **changes})
 
 
+# cadences longer than a drawn run are part of the sweep: that they warn is tested in test_validation_cadence.py
+@pytest.mark.filterwarnings("ignore:TrainingStrategy.validation. the run never validates:RuntimeWarning")
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 # a preemption at an epoch's last step owes that epoch's validation to the resumed run
