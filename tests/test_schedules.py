@@ -273,3 +273,24 @@ def test_config_warmup_longer_than_the_run_is_refused(tmp_path: Path) -> None:
     plan = prepare(load_config(job(tmp_path, "{factory: cosine, warmup_steps: 10}")), world_size=1)
     with pytest.raises(ConfigError, match=r"warmup_steps=10 leaves no optimizer steps for cosine: the run has 10"):
         build(plan)
+
+
+@pytest.mark.parametrize(
+    "section", ["{factory: constant, warmup_steps: 10}", "{factory: cosine, warmup_steps: 12, kwargs: {T_max: 50}}"]
+)
+def test_config_warmup_longer_than_the_run_is_refused_with_no_horizon_to_fill(tmp_path: Path, section: str) -> None:
+    """Not only where T_max is filled in: a warmup the run never finishes never reaches the base rate."""
+    plan = prepare(load_config(job(tmp_path, section)), world_size=1)
+    with pytest.raises(ConfigError, match=r"warmup_steps=1\d leaves no optimizer steps for .*: the run has 10 ") as info:
+        build(plan)
+    assert info.value.path == ("lr_scheduler", "warmup_steps")
+
+
+def test_config_horizon_counts_from_the_start_step(tmp_path: Path) -> None:
+    """A run that starts counting at step 4 of max_steps 10 steps its fresh scheduler 6 times: T_max is 6 less
+    the warmup, so the cosine ends at 0 on the run's last step."""
+    path = job(tmp_path, "{factory: cosine, warmup_steps: 2}", num_epochs=4)
+    strategy, got = train_job(path, "trainer.num_epochs=null", "trainer.max_steps=10", "trainer.start_step=4")
+    assert strategy.ctx.lr_schedulers["main"]._schedulers[1].T_max == 4
+    want = [1e-3 + (1 - 1e-3) * k / 2 for k in range(2)] + [0.5 * (1 + math.cos(math.pi * j / 4)) for j in range(4)]
+    assert got == pytest.approx(want, abs=1e-12)

@@ -97,6 +97,8 @@ def build(
     _check_accumulation(plan, train_loader, world_size)
     if plan.scheduler_total_steps:
         _check_horizon(plan, run_length, run_epochs)
+    elif plan.config.lr_scheduler is not None:
+        _check_warmup(plan, run_length, run_epochs)
     _check_metric_schedule(plan, val_loader)
     # The optimizer and scheduler factories, tried once on the model's parameters (the strategy builds
     # the real ones after SETUP, on the possibly wrapped model): their own checks run here.
@@ -455,34 +457,55 @@ def _validates(plan: Plan) -> bool:
     return bool(section.every_n_steps or epochs or trainer.val_every_steps or on_checkpoint)
 
 
+def _schedule_length(plan: Plan, steps: int | None, epochs: int | None) -> tuple[int | None, str]:
+    """How many times the LR scheduler steps over the run (None: unknown), and in what unit.
+
+    ``steps`` and ``epochs`` are absolute, like ``max_steps``; a scheduler built fresh starts
+    counting at ``trainer.start_step`` (``start_epoch`` for an epoch interval), so that is taken off.
+    """
+    section, trainer = plan.config.lr_scheduler, plan.config.trainer
+    assert section is not None
+    if section.interval == "epoch":
+        return (None if epochs is None else max(1, epochs - trainer.start_epoch)), "epochs"
+    return (None if steps is None else max(1, steps - trainer.start_step)), "optimizer steps"
+
+
 def _check_horizon(plan: Plan, steps: int | None, epochs: int | None) -> None:
     """The scheduler's horizon (``T_max`` / ``total_steps`` left out) must be known and longer than the warmup."""
     section = plan.config.lr_scheduler
     assert section is not None
     names = " / ".join(plan.scheduler_total_steps)
-    if section.interval == "epoch":
-        length, unit = epochs, "epochs"
-        unknown = "the run's epoch count is unknown; set trainer.num_epochs"
-    else:
-        length, unit = steps, "optimizer steps"
-        unknown = "the run's step count is unknown (the training loader has no len()); set trainer.max_steps"
+    length, _ = _schedule_length(plan, steps, epochs)
     if length is None:
+        unknown = (
+            "the run's epoch count is unknown; set trainer.num_epochs"
+            if section.interval == "epoch"
+            else "the run's step count is unknown (the training loader has no len()); set trainer.max_steps"
+        )
         raise plan.loaded.error(f"{unknown} or give {names} in lr_scheduler.kwargs", ("lr_scheduler",))
-    if section.warmup_steps >= length:
+    _check_warmup(plan, steps, epochs, f"; lower warmup_steps or give {names} in lr_scheduler.kwargs")
+
+
+def _check_warmup(plan: Plan, steps: int | None, epochs: int | None, advice: str = "; lower warmup_steps") -> None:
+    """A warmup as long as the run (where its length is known) never reaches the base rate: refused."""
+    section = plan.config.lr_scheduler
+    assert section is not None
+    length, unit = _schedule_length(plan, steps, epochs)
+    if section.warmup_steps and length is not None and section.warmup_steps >= length:
         raise plan.loaded.error(
             f"warmup_steps={section.warmup_steps} leaves no {unit} for {section.factory}: the run has {length} "
-            f"{unit}; lower warmup_steps or give {names} in lr_scheduler.kwargs",
+            f"{unit}{advice}",
             ("lr_scheduler", "warmup_steps"),
         )
 
 
 def _horizon(plan: Plan, steps: int | None, epochs: int | None) -> dict[str, int]:
     """``T_max`` / ``total_steps`` the kwargs leave out: the run's length in the schedule's interval
-    (optimizer steps, or epochs), less the warmup."""
+    (optimizer steps, or epochs, from ``start_step`` / ``start_epoch``), less the warmup."""
     section = plan.config.lr_scheduler
     if section is None or not plan.scheduler_total_steps:
         return {}
-    length = epochs if section.interval == "epoch" else steps
+    length, _ = _schedule_length(plan, steps, epochs)
     return {name: max(1, (length or 1) - section.warmup_steps) for name in plan.scheduler_total_steps}
 
 
