@@ -116,6 +116,24 @@ def test_a_run_to_its_end_has_no_stop_reason() -> None:
     assert make_strategy([], num_epochs=1).run(data(3)).stop_reason is None
 
 
+class StopOnValidation:
+    """Requests a stop at every AFTER_VALIDATION (early stopping deciding at each validation)."""
+
+    @nvtrain.hookimpl
+    def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
+        ctx.request_stop("validated")
+
+
+@pytest.mark.parametrize("where", ["last step", "final validation"])
+def test_a_stop_requested_at_the_runs_end_cut_nothing_short(where: str) -> None:
+    """A request at the last step, or at the validation after it (early stopping's last decision), leaves a
+    run that trained all it was set to: no stop reason, as for any run that ran to its end."""
+    validation = nvtrain.ValidationConfig(data=data(2, seed=1), every_n_epochs=3)
+    hook = StopAt(12) if where == "last step" else StopOnValidation()
+    result = make_strategy([hook], num_epochs=3, validation=validation).run(data(4))
+    assert (result.step_count, result.stop_reason, result.validated_at_step) == (12, None, 12)
+
+
 def test_the_stopping_step_is_checkpointed(tmp_path: Path) -> None:
     checkpoint = pytest.importorskip("nvtrain_checkpoint")
     hook = checkpoint.CheckpointHook(tmp_path, step_interval=100)
@@ -125,11 +143,6 @@ def test_the_stopping_step_is_checkpointed(tmp_path: Path) -> None:
 
 
 def test_a_stop_requested_during_validation_ends_the_run_after_it() -> None:
-    class StopOnValidation:
-        @nvtrain.hookimpl
-        def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
-            ctx.request_stop("validated")
-
     validation = nvtrain.ValidationConfig(data=data(2, seed=1), every_n_steps=2)
     result = make_strategy([StopOnValidation()], num_epochs=3, validation=validation).run(data(4))
     assert result.step_count == 2 and result.stop_reason == "validated"
