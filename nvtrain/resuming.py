@@ -5,11 +5,12 @@
 config of the new run. Every difference gets one of four effects:
 
 - **refused**: the run stops with exit status 2 before writing anything (another
-  optimizer or LR-scheduler class: their saved states cannot move to it);
+  optimizer or LR-scheduler class, or a warmup added or removed, which changes the
+  scheduler's class: their saved states cannot move to it);
 - **applied on resume**: the checkpoint restores the old value and nvtrain then
   replaces it (optimizer hyperparameters such as ``lr`` in the param groups, LR
-  scheduler settings, and the schedule's ``T_max`` / ``total_steps`` re-derived
-  from the new run length);
+  scheduler settings, another non-zero ``warmup_steps``, and the schedule's
+  ``T_max`` / ``total_steps`` re-derived from the new run length);
 - **no effect**: the checkpoint's value wins (``seed``: the random streams
   continue from the checkpoint; ``start_step`` / ``start_epoch``);
 - **takes effect**: everything else (run length, cadences, logging, hook
@@ -21,6 +22,7 @@ See docs/checkpointing.md ("Resuming with a changed config").
 
 from __future__ import annotations
 
+import bisect
 import collections
 import copy
 import logging
@@ -42,8 +44,13 @@ APPLIED = "applied on resume"
 NO_EFFECT = "no effect on resume"
 TAKES_EFFECT = "takes effect"
 
-#: LR-scheduler state entries that encode the run length; re-derived when it changes.
-HORIZON_KEYS = ("T_max", "total_steps", "_schedule_phases")
+#: LR-scheduler state entries that encode the run length; re-derived when it changes (``total_iters``: the
+#: ``linear`` schedule's ``total_steps``, kept by its ``LinearLR``).
+HORIZON_KEYS = ("T_max", "total_steps", "total_iters", "_schedule_phases")
+#: The config key whose change adds, removes or resizes the warmup in front of the schedule.
+WARMUP_KEY = "lr_scheduler.warmup_steps"
+#: The state entries of a warmup's ramp (a ``LinearLR``) that the warmup's length sets.
+RAMP_KEYS = ("total_iters",)
 
 
 @attrs.frozen
@@ -128,7 +135,7 @@ def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any], *, derives_
         was, is_now = old.get(key, _MISSING), new.get(key, _MISSING)
         if was == is_now or _filled_in(key, was, is_now, old, new):
             continue
-        effect, note = _classify(key, derives_horizon)
+        effect, note = _warmup_effect(was, is_now) if key == WARMUP_KEY else _classify(key, derives_horizon)
         changes.append(ConfigChange(key, was, is_now, effect, note))
     return changes
 
@@ -191,6 +198,26 @@ def _classify(key: str, derives_horizon: bool) -> tuple[str, str]:
     return TAKES_EFFECT, ""
 
 
+def _warmup_effect(was: Any, is_now: Any) -> tuple[str, str]:
+    """Adding or removing a warmup swaps the scheduler for a ``SequentialLR`` (or back): refused, as another
+    scheduler class is. Another non-zero length is applied: the restored schedule is positioned as a fresh
+    one of the new config would be at the resumed step."""
+    had, has = _warms_up(was), _warms_up(is_now)
+    if had != has:
+        return REFUSED, (
+            "adding or removing a warmup changes the LR scheduler's class (a SequentialLR of the warmup and the "
+            "schedule); its state cannot move to it"
+        )
+    if has:
+        return APPLIED, "the warmup's length and the schedule's horizon are set in the restored LR scheduler"
+    return TAKES_EFFECT, ""
+
+
+def _warms_up(warmup_steps: Any) -> bool:
+    """Whether a config's ``warmup_steps`` builds a warmup (a config written without the field has none)."""
+    return isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps > 0
+
+
 def in_effect(saved: Mapping[str, Any], now: Mapping[str, Any], changes: list[ConfigChange]) -> dict[str, Any]:
     """The new config with every change of no effect reverted to the checkpoint's value (for ``config.yaml``)."""
     result = copy.deepcopy(dict(now))
@@ -210,8 +237,11 @@ class ResumeAdjuster:
     A restored optimizer carries the checkpoint's hyperparameters and a restored LR
     scheduler the old run length; this replaces what the user changed: param-group
     values (``lr`` also as the scheduler's base LR) and the scheduler's horizon and
-    settings, taken from a scheduler built for the new run (``fresh``). When the
-    scheduler has a closed form, the current LR is recomputed from it.
+    settings, taken from a scheduler built for the new run (``fresh``). Behind a
+    warmup (a ``SequentialLR``) the settings are its last child's, and a changed
+    warmup length moves the milestone and every child to where a fresh run of the
+    new config has them. When the scheduler that sets the LR now has a closed
+    form, the current LR is recomputed from it.
     """
 
     plugin_name = "nvtrain.app.resume"
@@ -274,20 +304,119 @@ class ResumeAdjuster:
         changed_keys: set[str],
     ) -> None:
         state = scheduler.state_dict()
-        merged = dict(state)
-        for key in (*HORIZON_KEYS, *sorted(changed_keys)):
-            if key in fresh and key in state and fresh[key] != state[key]:
-                merged[key] = copy.deepcopy(fresh[key])
-                if key != "_schedule_phases":
-                    self.applied.append(f"LR scheduler {name!r}: {key} {_show(state[key])} -> {_show(fresh[key])}")
-        if lr is not _MISSING and "base_lrs" in state:
-            merged["base_lrs"] = [lr] * len(state["base_lrs"])
+        if not _same_shape(state, fresh):
+            return  # another scheduler class: refused before training, nothing here can move its state
+        keys = (*HORIZON_KEYS, *sorted(changed_keys))
+        if _is_sequence(state):
+            merged = self._merged_sequence(name, state, fresh, lr, keys)
+        else:
+            merged = self._merged(name, state, fresh, lr, keys)
         if merged == state:
             return
         scheduler.load_state_dict(merged)
-        closed_form = getattr(scheduler, "_get_closed_form_lr", None)
-        if callable(closed_form):
-            rates = closed_form()
-            for group, rate in zip(optimizer.param_groups, rates, strict=False):
-                group["lr"] = rate
-            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        rates = _closed_form_rates(scheduler)
+        if rates is None:
+            return
+        for group, rate in zip(optimizer.param_groups, rates, strict=False):
+            group["lr"] = rate
+        _set_last_lr(scheduler, [group["lr"] for group in optimizer.param_groups])
+
+    def _merged(
+        self,
+        name: str,
+        state: Mapping[str, Any],
+        fresh: Mapping[str, Any],
+        lr: Any,
+        keys: tuple[str, ...],
+        announce: bool = True,
+    ) -> dict[str, Any]:
+        """``state`` with ``keys`` taken from the fresh scheduler's state where they differ, and a new ``lr`` as
+        its base LR."""
+        merged = dict(state)
+        for key in keys:
+            if key in fresh and key in state and fresh[key] != state[key]:
+                merged[key] = copy.deepcopy(fresh[key])
+                if announce and key != "_schedule_phases":
+                    self.applied.append(f"LR scheduler {name!r}: {key} {_show(state[key])} -> {_show(fresh[key])}")
+        if lr is not _MISSING and "base_lrs" in state:
+            merged["base_lrs"] = [lr] * len(state["base_lrs"])
+        return merged
+
+    def _merged_sequence(
+        self, name: str, state: Mapping[str, Any], fresh: Mapping[str, Any], lr: Any, keys: tuple[str, ...]
+    ) -> dict[str, Any]:
+        """A warmup's ``SequentialLR`` state: the configured schedule (the last child) merged as a lone one is,
+        the warmup (the children before it) and the milestones resized as the new config's, and every child
+        positioned where a fresh run of the new config has it at the resumed step."""
+        merged = dict(state)
+        was, now = state["_milestones"], fresh["_milestones"]
+        if was != now:
+            merged["_milestones"] = list(now)
+            change = f"warmup_steps {was[0]} -> {now[0]}" if len(was) == len(now) == 1 else f"milestones {was} -> {now}"
+            self.applied.append(f"LR scheduler {name!r}: {change}")
+        *ramps, schedule = state["_schedulers"]
+        *fresh_ramps, fresh_schedule = fresh["_schedulers"]
+        children = [
+            self._merged(name, old, new, lr, RAMP_KEYS, announce=False)
+            for old, new in zip(ramps, fresh_ramps, strict=True)
+        ]
+        children.append(self._merged(name, schedule, fresh_schedule, lr, keys))
+        if was != now:
+            children = _positioned(children, merged["_milestones"], merged["last_epoch"])
+        merged["_schedulers"] = children
+        return merged
+
+
+def _same_shape(state: Mapping[str, Any], fresh: Mapping[str, Any]) -> bool:
+    """Whether both states are a lone scheduler's, or both a ``SequentialLR``'s with as many children."""
+    if _is_sequence(state) != _is_sequence(fresh):
+        return False
+    return len(state.get("_schedulers", ())) == len(fresh.get("_schedulers", ()))
+
+
+def _is_sequence(state: Mapping[str, Any]) -> bool:
+    """Whether a scheduler state is a ``SequentialLR``'s (a warmup and the schedule after it)."""
+    children, milestones = state.get("_schedulers"), state.get("_milestones")
+    return isinstance(children, list) and isinstance(milestones, list) and len(children) == len(milestones) + 1
+
+
+def _positioned(children: list[dict[str, Any]], milestones: list[int], steps: int) -> list[dict[str, Any]]:
+    """Each child's state as a fresh ``SequentialLR`` with these milestones has it after ``steps`` steps.
+
+    The child running in ``[start, end)`` has counted ``steps - start`` steps there, one that ended stays at
+    its last position, and one not yet started waits at -1 (``SequentialLR`` starts it at position 0 on
+    reaching its milestone).
+    """
+    positioned = []
+    for child, start, end in zip(children, [0, *milestones], [*milestones, None], strict=True):
+        last = steps if end is None else min(steps, end - 1)
+        position = -1 if steps < start else last - start
+        child = dict(child)
+        if "last_epoch" in child:
+            child["last_epoch"] = position
+        if "_step_count" in child:
+            child["_step_count"] = max(position, 0) + 1
+        positioned.append(child)
+    return positioned
+
+
+def _active(scheduler: Any) -> Any:
+    """The scheduler that sets the LR now: a ``SequentialLR``'s child for its position, else itself."""
+    children, milestones = getattr(scheduler, "_schedulers", None), getattr(scheduler, "_milestones", None)
+    if isinstance(children, list) and isinstance(milestones, list):
+        return _active(children[bisect.bisect_right(milestones, scheduler.last_epoch)])
+    return scheduler
+
+
+def _closed_form_rates(scheduler: Any) -> list[Any] | None:
+    """The LR of each param group at the scheduler's position, from its closed form (None: it has none)."""
+    closed_form = getattr(_active(scheduler), "_get_closed_form_lr", None)
+    return list(closed_form()) if callable(closed_form) else None
+
+
+def _set_last_lr(scheduler: Any, rates: list[Any]) -> None:
+    """What ``get_last_lr()`` returns, for the scheduler and the child that sets the LR now."""
+    scheduler._last_lr = list(rates)
+    active = _active(scheduler)
+    if active is not scheduler:
+        active._last_lr = list(rates)
