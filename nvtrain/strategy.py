@@ -869,12 +869,17 @@ class TrainingStrategy:
                         f"validation metric {plan.metric!r}, which the validation summary lacks "
                         f"(it has {sorted(summary)}); set LRSchedule(monitor=...) to one of them"
                     )
-                plan.scheduler.step(self._agreed_metric(summary[plan.metric]))
+                plan.scheduler.step(self.mean_over_ranks(summary[plan.metric]))
 
-    def _agreed_metric(self, value: Any) -> float:
-        """The monitored value averaged over the ranks (one all-reduce per validation), so every rank's
-        metric-driven scheduler decides alike: each rank validates on its own data (or with its own
-        BatchNorm statistics), and replicas or FSDP shards stepped at different learning rates drift apart."""
+    def mean_over_ranks(self, value: Any) -> float:
+        """``value`` (a number or one-element tensor) averaged over the data-parallel ranks: one all-reduce,
+        which every rank must make at the same point; in one process, ``float(value)``.
+
+        For decisions a validation drives (a metric-driven LR scheduler, early stopping): each
+        rank validates on its own data (or with its own BatchNorm statistics), and ranks deciding
+        apart would step their replicas or FSDP shards at different learning rates, or keep
+        states a rank-0 checkpoint cannot hold for all.
+        """
         if self.ctx.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
             return float(value)
         group = self._scheduler_group()

@@ -51,8 +51,11 @@ class EarlyStoppingHook:
     A standalone ``strategy.validate()`` outside ``run()`` is counted too, but
     there is no run to stop then.
 
-    Under ``torch.distributed`` each rank judges its own validation summary; a
-    stop requested on any rank stops every rank at the same step.
+    Under ``torch.distributed`` the hook judges the monitored value averaged over the
+    ranks inside ``run()`` (one all-reduce per validation, as a metric-driven LR scheduler
+    does): every rank decides alike and keeps the same state, which a rank-0 checkpoint
+    then holds for all, so a resumed run stops where the straight one did. A standalone
+    ``validate()`` is judged on the rank's own value.
     """
 
     plugin_name: ClassVar[str] = "early_stopping"
@@ -77,6 +80,9 @@ class EarlyStoppingHook:
     @hookimpl
     def after_validation(self, ctx: TrainingContext) -> None:
         value = self._read(ctx.validation)
+        agree = getattr(ctx.strategy, "mean_over_ranks", None)
+        if ctx.windowed and callable(agree):  # inside run(), where every rank validates at this point
+            value = agree(value)
         if self._improves(value):
             self.best, self.wait = value, 0
             return
