@@ -303,6 +303,12 @@ class StepScheduler:
             if own_scope:
                 self._watcher.restore()
 
+    @property
+    def training_done(self) -> bool:
+        """The run's bounds are reached: ``max_steps``, the last epoch's data used up, or the stream's end
+        (whatever else, a stop request or a signal, also ended it)."""
+        return self._training_done()
+
     def _training_done(self) -> bool:
         if self.max_steps is not None and self.step >= self.max_steps:
             return True

@@ -1068,7 +1068,7 @@ def _stop_reason(scheduler: StepScheduler) -> str | None:
     """Why the run stopped early: a stop request, else the preemption signal; None when it ran out (also when a
     stop was requested at its last step, or at the validation after it: that cut nothing short)."""
     if scheduler.stop_reason is not None:
-        return None if scheduler.reaches_the_end else scheduler.stop_reason
+        return None if scheduler.training_done else scheduler.stop_reason
     if _cut_by_preemption(scheduler):
         signum = scheduler.received_signal
         return f"preempted by {signal.Signals(signum).name}" if signum is not None else "preempted (another rank)"

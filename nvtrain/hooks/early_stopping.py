@@ -80,7 +80,7 @@ class EarlyStoppingHook:
     @hookimpl
     def after_validation(self, ctx: TrainingContext) -> None:
         value = self._read(ctx.validation)
-        agree = getattr(ctx.strategy, "mean_over_ranks", None)
+        agree = getattr(getattr(ctx, "strategy", None), "mean_over_ranks", None)
         if ctx.windowed and callable(agree):  # inside run(), where every rank validates at this point
             value = agree(value)
         if self._improves(value):
