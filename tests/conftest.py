@@ -179,3 +179,13 @@ def fallback_handlers() -> Iterator[list[int]]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@pytest.fixture
+def site(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A :class:`tests.fake_plugin_site.FakePluginSite` under ``tmp_path``, forgotten after the test."""
+    from tests.fake_plugin_site import FakePluginSite
+
+    fake = FakePluginSite(tmp_path / "site", monkeypatch)
+    yield fake
+    fake.close()

@@ -12,6 +12,7 @@ import textwrap
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -202,18 +203,12 @@ def test_python_dash_m_nvtrain_runs_the_command(fake_plugins: Path) -> None:
 
 
 def test_json_stays_a_document_when_a_plugin_prints_as_it_is_imported(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    site: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.fake_plugin_site import FakePluginSite
-
-    site = FakePluginSite(tmp_path / "site", monkeypatch)
-    try:
-        module = site.module("chatty", 'print("hello from a chatty plugin")\n__nvtrain_hooks__ = ()\n')
-        site.install("nvtrain-chatty", {"chatty": module})
-        assert cli.main(["plugins", "--json"]) == 0
-        captured = capsys.readouterr()
-    finally:
-        site.close()
+    module = site.module("chatty", 'print("hello from a chatty plugin")\n__nvtrain_hooks__ = ()\n')
+    site.install("nvtrain-chatty", {"chatty": module})
+    assert cli.main(["plugins", "--json"]) == 0
+    captured = capsys.readouterr()
     assert "chatty" in [info["name"] for info in json.loads(captured.out)]
     assert "hello from a chatty plugin" in captured.err
 

@@ -3,7 +3,6 @@ and a refusal by attrs' own validators is its message, placed at the setting's k
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,13 +52,6 @@ STRICT = """
 
     __nvtrain_hooks__ = (Strict,)
 """
-
-
-@pytest.fixture
-def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePluginSite]:
-    fake = FakePluginSite(tmp_path / "site", monkeypatch)
-    yield fake
-    fake.close()
 
 
 def test_a_failing_constructor_names_the_plugins_distribution(

@@ -3,7 +3,6 @@ metadata, so a plugin that is merely installed (a slow one, a broken one) runs n
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,13 +33,6 @@ QUIET = """
 
     __nvtrain_hooks__ = (Quiet,)
 """
-
-
-@pytest.fixture
-def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePluginSite]:
-    fake = FakePluginSite(tmp_path / "site", monkeypatch)
-    yield fake
-    fake.close()
 
 
 @pytest.fixture

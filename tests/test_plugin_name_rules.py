@@ -5,7 +5,6 @@ setting called ``name``, which a config entry cannot give."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,13 +70,6 @@ AMBIGUOUS = (
     "pick one: clip:MyClip for the plugin's hook, nvtrain.hooks:GradientClippingHook for the built-in "
     "(in code: nvtrain.hooks.GradientClippingHook(...))"
 )
-
-
-@pytest.fixture
-def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePluginSite]:
-    fake = FakePluginSite(tmp_path / "site", monkeypatch)
-    yield fake
-    fake.close()
 
 
 @pytest.fixture
