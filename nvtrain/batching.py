@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["batch_size", "device_mover", "loader_batch_size"]
+__all__ = ["batch_size", "device_mover", "loader_batch_size", "tensor_mapper"]
 
 #: Values a batch may carry that never hold a tensor.
 _PLAIN = (str, bytes, int, float, complex, type(None))
@@ -110,40 +110,52 @@ def _size_without_tensor(batch: Any) -> int:
     return 1
 
 
-def device_mover(device: torch.device) -> Callable[[Any], Any]:
+def device_mover(device: torch.device | None) -> Callable[[Any], Any]:
     """``move(batch)``: a copy of ``batch`` with every tensor on ``device`` (``non_blocking``), keeping its types.
 
     Tensors move; mappings keep their class (``OrderedDict``, ``defaultdict``, a
     ``UserDict`` such as a tokenizer's ``BatchEncoding``), named tuples their fields,
     lists and tuples their type; a dataclass or attrs instance is copied with its fields
     moved; any other object with a ``to()`` method (a graph batch, say) is moved by
-    ``obj.to(device)``. Everything else is passed through as it is.
+    ``obj.to(device)``. Everything else is passed through as it is. ``device=None`` copies
+    the containers and keeps the tensors where they are (the CPU's batches): a hook that
+    edits the batch in place never edits what the loader holds, on any device.
     """
+    if device is None:
+        return tensor_mapper(lambda tensor: tensor, move_objects=None)
+    return tensor_mapper(lambda tensor: tensor.to(device, non_blocking=True), move_objects=device)
 
-    def move(batch: Any) -> Any:
-        if isinstance(batch, torch.Tensor):
-            return batch.to(device, non_blocking=True)
-        if isinstance(batch, Mapping):
-            moved = {key: move(value) for key, value in batch.items()}
-            return moved if type(batch) is dict else _same_mapping(batch, moved)
-        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple: rebuilt by position
-            return type(batch)(*(move(value) for value in batch))
-        if isinstance(batch, (tuple, list)):
-            return type(batch)(move(value) for value in batch)
-        if isinstance(batch, _PLAIN):  # labels, ids, flags: nothing to move, nothing to inspect
-            return batch
-        fields = _record_fields(batch)
+
+def tensor_mapper(function: Callable[[torch.Tensor], Any], *, move_objects: Any = None) -> Callable[[Any], Any]:
+    """``apply(value)``: a copy of ``value`` with ``function`` applied to every tensor in it, through the
+    containers :func:`device_mover` knows (mappings, named tuples, lists and tuples, dataclass and
+    attrs fields). ``move_objects``: a device other objects with a ``to()`` method are moved to (None:
+    they are passed through)."""
+
+    def apply(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return function(value)
+        if isinstance(value, Mapping):
+            mapped = {key: apply(item) for key, item in value.items()}
+            return mapped if type(value) is dict else _same_mapping(value, mapped)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple: rebuilt by position
+            return type(value)(*(apply(item) for item in value))
+        if isinstance(value, (tuple, list)):
+            return type(value)(apply(item) for item in value)
+        if isinstance(value, _PLAIN):  # labels, ids, flags: nothing to map, nothing to inspect
+            return value
+        fields = _record_fields(value)
         if fields:
-            copied = copy.copy(batch)
+            copied = copy.copy(value)
             for name in fields:  # frozen and slotted classes included: what the class's own __init__ would set
-                object.__setattr__(copied, name, move(getattr(batch, name)))
+                object.__setattr__(copied, name, apply(getattr(value, name)))
             return copied
-        to = getattr(batch, "to", None)
-        if callable(to) and not isinstance(batch, type):
-            return to(device)
-        return batch
+        to = getattr(value, "to", None)
+        if move_objects is not None and callable(to) and not isinstance(value, type):
+            return to(move_objects)
+        return value
 
-    return move
+    return apply
 
 
 def _same_mapping(original: Mapping[Any, Any], moved: dict[Any, Any]) -> Any:

@@ -6,10 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
-from torch.utils._pytree import tree_map_only
 
+from nvtrain.batching import tensor_mapper
 from nvtrain.stages import TrainingStage
 from nvtrain.stash import Stash
+
+#: A copy of a value with every tensor in it detached (see TrainingContext.release_step_graph).
+_DETACH = tensor_mapper(torch.Tensor.detach)
 
 if TYPE_CHECKING:
     from nvtrain.strategy import TrainingStrategy
@@ -98,13 +101,15 @@ class TrainingContext:
         before its backward, and, under FSDP, with the model itself, since the graph's
         autograd functions refer back to it in a way the garbage collector cannot follow
         (the strategy, its models and their process group were then never freed). Tensors
-        inside tuples, lists, dicts and other registered pytree nodes are detached.
+        inside the containers a batch may use are detached too: mappings of any class (a dict
+        subclass such as a model's output record), named tuples, lists, tuples, dataclass and
+        attrs fields.
         """
-        detach = torch.Tensor.detach
-        self.outputs = tree_map_only(torch.Tensor, detach, self.outputs)
+        detach = _DETACH
+        self.outputs = detach(self.outputs)
         # whatever a loss_fn or a hook left there: a float or a tuple is what the failed step is reported for
-        self.loss = tree_map_only(torch.Tensor, detach, self.loss)
-        self.backward_loss = tree_map_only(torch.Tensor, detach, self.backward_loss)
+        self.loss = detach(self.loss)
+        self.backward_loss = detach(self.backward_loss)
 
     def __repr__(self) -> str:
         stage = self.stage.name if self.stage is not None else None

@@ -276,7 +276,8 @@ class TrainingStrategy:
         self.ctx = TrainingContext(
             strategy=self, models=dict(self.models), device=self.device, rank=rank, world_size=world_size
         )
-        self._move_batch = _identity if self.device.type == "cpu" else device_mover(self.device)
+        # on the CPU the containers are copied and the tensors kept: the batch a hook edits is never the loader's
+        self._move_batch = device_mover(None if self.device.type == "cpu" else self.device)
         self.registry = HookRegistry(self.hooks)
         if self.validation is not None:
             self._live_data.loaders = [self.validation.data]
@@ -742,9 +743,18 @@ class TrainingStrategy:
     # -- validation -----------------------------------------------------------------------------
 
     def validate(self, loader: Iterable[Any] | None = None) -> dict[str, Any]:
-        """Evaluate over ``loader`` (default: ``validation.data``) and fire AFTER_VALIDATION."""
-        summary = self._evaluate(loader)
-        self._after_validation()
+        """Evaluate over ``loader`` (default: ``validation.data``) and fire AFTER_VALIDATION.
+
+        Called from a hook (a baseline validation at BEFORE_TRAINING), it leaves ``ctx.stage``
+        as it found it, so the stage's later hooks (a resume) see the stage they run in.
+        """
+        ctx = self.ctx
+        stage = ctx.stage
+        try:
+            summary = self._evaluate(loader)
+            self._after_validation()
+        finally:
+            ctx.stage = stage
         return summary
 
     def _evaluate(self, loader: Iterable[Any] | None) -> dict[str, Any]:
@@ -1092,10 +1102,6 @@ def _split_pair(batch: Any) -> tuple[Any, Any]:
         f"the default forward expects batches of (inputs, targets), got {type(batch).__name__}; "
         "pass TrainingStrategy(forward_fn=...) for other batch shapes"
     )
-
-
-def _identity(batch: Any) -> Any:
-    return batch
 
 
 def _rank_and_world_size(manager: Any) -> tuple[int, int]:
