@@ -17,6 +17,7 @@ error is structured too.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "FieldValueError",
     "a_bool",
     "a_callable",
+    "as_path",
     "blocking_file",
     "float_in_range",
     "int_at_least",
@@ -104,6 +106,14 @@ def refused(
     if message is None:
         message = f"{owner}.{field} must be {expected} (got {value!r})"
     return error(message, owner=owner, field=field, value=value, expected=expected)
+
+
+def as_path(value: Any, owner: str, field: str) -> Path:
+    """``Path(value)`` for a converter, refusing what is no path (None, a number) naming ``owner.field``, where
+    ``Path(value)`` says only ``expected str, bytes or os.PathLike object, not NoneType``."""
+    if isinstance(value, (str, os.PathLike)):
+        return Path(value)
+    raise refused(owner, field, value, "a path (a str or os.PathLike)", error=FieldTypeError)
 
 
 def blocking_file(folder: Path) -> Path | None:

@@ -19,7 +19,15 @@ import torch
 from nvtrain.atomic_files import replaced_atomically
 from nvtrain.hookspecs import hookimpl
 from nvtrain.stages import BATCH_STAGES, REPLACEMENT_STAGES, TrainingStage
-from nvtrain.validators import FieldProblem, int_at_least, refused, strict_bool, strict_int
+from nvtrain.validators import (
+    FieldProblem,
+    as_path,
+    blocking_file,
+    int_at_least,
+    refused,
+    strict_bool,
+    strict_int,
+)
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -61,12 +69,20 @@ def _as_stage(item: Any) -> TrainingStage:
     return TrainingStage(item)
 
 
-def _not_a_directory(instance: Any, attribute: attrs.Attribute[Any], value: Path) -> None:
-    """Refused when built, not at the first flush after the whole run."""
+def _output_path(value: Any) -> Path:
+    return as_path(value, "StageTimingHook", "output")
+
+
+def _writable_file_path(instance: Any, attribute: attrs.Attribute[Any], value: Path) -> None:
+    """Refused when built, not at the first flush (or at the end of the whole run)."""
+    owner, expected = type(instance).__name__, "a CSV file path, neither an existing directory nor under a file"
     if value.is_dir():
-        expected = "a CSV file path, not an existing directory"
-        message = f"{type(instance).__name__}.{attribute.name} must be {expected} (got '{value}', a directory)"
-        raise refused(type(instance).__name__, attribute.name, value, expected, message=message)
+        message = f"{owner}.{attribute.name} must be {expected} (got '{value}', a directory)"
+        raise refused(owner, attribute.name, value, expected, message=message)
+    blocking = blocking_file(value.parent)
+    if blocking is not None:
+        message = f"{owner}.{attribute.name} must be {expected} (got '{value}': '{blocking}' is a file)"
+        raise refused(owner, attribute.name, value, expected, message=message)
 
 
 def _check_stages(instance: Any, attribute: attrs.Attribute[Any], value: tuple[TrainingStage, ...]) -> None:
@@ -149,7 +165,11 @@ class StageTimingHook:
     output_settings: ClassVar[Mapping[str, str]] = {"output": "stage_timing.csv"}
 
     #: CSV file to write (columns: stage, count, mean_ms, p50_ms, p95_ms); an existing directory is refused.
-    output: Path = attrs.field(default=Path("stage_timing.csv"), converter=Path, validator=_not_a_directory)
+    output: Path = attrs.field(
+        default=Path("stage_timing.csv"),
+        converter=_output_path,
+        validator=_writable_file_path,
+    )
     #: Which batch stages to stamp; default all twelve.
     stages: tuple[TrainingStage, ...] = attrs.field(
         default=tuple(sorted(BATCH_STAGES)), converter=_as_stages, validator=_check_stages

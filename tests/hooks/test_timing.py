@@ -16,7 +16,7 @@ import torch
 import nvtrain
 from nvtrain.hooks import StageTimingHook
 from nvtrain.stages import BATCH_STAGES, TrainingStage
-from nvtrain.validators import FieldValueError
+from nvtrain.validators import FieldTypeError, FieldValueError
 
 S = TrainingStage
 
@@ -99,9 +99,22 @@ def test_an_existing_directory_as_output_is_refused_when_built(tmp_path: Path) -
         StageTimingHook(output=tmp_path)
     assert (caught.value.owner, caught.value.field) == ("StageTimingHook", "output")
     assert str(caught.value) == (
-        f"StageTimingHook.output must be a CSV file path, not an existing directory (got '{tmp_path}', a directory)"
+        "StageTimingHook.output must be a CSV file path, neither an existing directory nor under a file "
+        f"(got '{tmp_path}', a directory)"
     )
     assert StageTimingHook(output=tmp_path / "new" / "t.csv").output == tmp_path / "new" / "t.csv"
+
+
+def test_an_output_under_a_file_or_no_path_is_refused_when_built(tmp_path: Path) -> None:
+    """Under a file it passed nvtrain validate and failed at the first flush (FileExistsError, mid-run); None
+    said only "expected str, bytes or os.PathLike object, not NoneType"."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(FieldValueError) as caught:
+        StageTimingHook(output=tmp_path / "afile" / "t.csv")
+    assert (caught.value.owner, caught.value.field) == ("StageTimingHook", "output")
+    assert f"'{tmp_path / 'afile'}' is a file" in str(caught.value)
+    with pytest.raises(FieldTypeError, match=r"^StageTimingHook\.output must be a path \(a str or os\.PathLike\) \(got None\)$"):
+        StageTimingHook(output=None)  # type: ignore[arg-type]
 
 
 # -- the report -----------------------------------------------------------------------------------

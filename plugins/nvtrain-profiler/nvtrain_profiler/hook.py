@@ -18,6 +18,7 @@ from nvtrain.validators import (
     FieldProblem,
     FieldTypeError,
     FieldValueError,
+    as_path,
     blocking_file,
     refused,
     satisfies,
@@ -75,6 +76,10 @@ def _unsupported_message(unsupported: list[ProfilerActivity]) -> str:
         f"TorchProfilerHook.activities: {names} cannot be profiled on this machine "
         f"(torch.profiler supports: {supported}; or None for what is available)"
     )
+
+
+def _output_dir_path(value: Any) -> Path:
+    return as_path(value, "TorchProfilerHook", "output_dir")
 
 
 _output_dir = satisfies(
@@ -144,7 +149,7 @@ class TorchProfilerHook:
     plugin_name: ClassVar[str] = "profiler"
 
     #: Root folder of the traces; each rank writes to ``rank_<global rank>/torch/`` below it.
-    output_dir: Path = attrs.field(default=Path("profiles"), converter=Path, validator=_output_dir)
+    output_dir: Path = attrs.field(default=Path("profiles"), converter=_output_dir_path, validator=_output_dir)
     #: What to trace; None is torch.profiler's default (CPU, plus CUDA when available).
     activities: tuple[ProfilerActivity, ...] | None = attrs.field(default=None, converter=_as_activities)
     #: ``step -> ProfilerAction`` (``torch.profiler.schedule(...)``); None records everything.

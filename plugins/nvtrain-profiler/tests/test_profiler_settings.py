@@ -129,3 +129,12 @@ def test_activities_choose_what_a_cuda_run_traces(
     categories = {event.get("cat") for event in trace_events(hook)}
     assert ("cpu_op" in categories) is has_cpu_ops
     assert ("kernel" in categories) is has_kernels
+
+
+def test_an_output_dir_that_is_no_path_is_refused_naming_the_setting() -> None:
+    from nvtrain.validators import FieldTypeError
+
+    with pytest.raises(FieldTypeError) as caught:
+        TorchProfilerHook(output_dir=None)  # type: ignore[arg-type]
+    assert (caught.value.owner, caught.value.field) == ("TorchProfilerHook", "output_dir")
+    assert str(caught.value) == "TorchProfilerHook.output_dir must be a path (a str or os.PathLike) (got None)"
