@@ -672,8 +672,9 @@ def _agree(ctx: nvtrain.TrainingContext, root: Path, found: Path | None, shared:
     if highest == lowest:
         return found
     if shared:
+        seen = f"steps {lowest} to {highest}" if lowest >= 0 else f"none on some ranks, step {highest} on others"
         raise storage.CheckpointError(
-            f"ranks see different latest checkpoints in {root} (steps {lowest} to {highest}); with "
+            f"ranks see different latest checkpoints in {root} ({seen}); with "
             "rank_zero_only=True checkpoint_dir must be storage every rank shares"
         )
     if lowest < 0:
