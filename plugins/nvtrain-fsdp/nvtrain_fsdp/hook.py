@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -189,10 +191,11 @@ class FSDPHook(ShardsTrainLoader):
     #: Models to shard; None shards every model that has an optimizer.
     model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_model_keys)
     #: Class names of the submodules sharded as units of their own (transformer blocks); empty: each
-    #: top-level child that has parameters. The root is always sharded last.
+    #: top-level child that has parameters (the members of a top-level ModuleList / ModuleDict in its
+    #: place). The root is always sharded last.
     shard_classes: tuple[str, ...] = attrs.field(default=(), converter=_as_class_names)
     #: Free each unit's gathered parameters after its forward (all-gather again in backward): less memory,
-    #: one more all-gather per unit and step. The root keeps its parameters (FSDP's own rule).
+    #: one more all-gather per unit and step (the root's own parameters too).
     reshard_after_forward: bool = attrs.field(default=True, validator=a_bool)
     #: Dtype the parameters are all-gathered and computed in (None: their own, float32).
     param_dtype: torch.dtype | None = attrs.field(default=None, converter=_as_param_dtype)
@@ -258,30 +261,31 @@ class FSDPHook(ShardsTrainLoader):
             backend=self.backend,
             device=ctx.device,
         )
-        if group is None:
-            ignored = [
-                name for name in ("param_dtype", "reduce_dtype", "output_dtype") if getattr(self, name) is not None
-            ] + (["cpu_offload"] if self.cpu_offload else []) + (["replicate_degree"] if (self.replicate_degree or 1) > 1 else [])
-            logger.info("FSDPHook: single process (no process group, WORLD_SIZE <= 1); models are not sharded")
-            if ignored:
-                logger.warning(
-                    "FSDPHook: single process, so the models are not sharded and %s have no effect "
-                    "(MixedPrecisionHook gives bf16 in one process)",
-                    ", ".join(ignored),
-                )
-            for key in self._keys(ctx):  # one script for python and torchrun: a meta model is still built here
-                model = ctx.models[key]
-                sharding_units(model, self.shard_classes, key=key)  # what torchrun would refuse, refused here too
-                if on_meta_device(model):
-                    self._materialise(model, self._meta_initialisers(key, model), ctx.device)
-            return
-        if self.cpu_offload and ctx.device.type != "cuda":
+        if self.cpu_offload and ctx.device.type != "cuda":  # refused alike under python and torchrun
             raise FieldValueError(
                 f"FSDPHook.cpu_offload=True needs a CUDA device: it keeps the shards and the optimizer step on the "
                 f"CPU and computes on the GPU, but this strategy trains on {str(ctx.device)!r}; set "
                 "cpu_offload=False (on the CPU the shards are in host memory already)",
                 owner="FSDPHook", field="cpu_offload", value=True, expected="False on a CPU device",
             )
+        if group is None:
+            dtypes = [name for name in ("param_dtype", "reduce_dtype", "output_dtype") if getattr(self, name) is not None]
+            ignored = dtypes + (["cpu_offload"] if self.cpu_offload else [])
+            ignored += ["replicate_degree"] if (self.replicate_degree or 1) > 1 else []
+            logger.info("FSDPHook: single process (no process group, WORLD_SIZE <= 1); models are not sharded")
+            if ignored:
+                logger.warning(
+                    "FSDPHook: single process, so the models are not sharded and %s %s no effect%s",
+                    ", ".join(ignored),
+                    "has" if len(ignored) == 1 else "have",
+                    " (MixedPrecisionHook gives bf16 in one process)" if dtypes else "",
+                )
+            for key in self._keys(ctx):  # one script for python and torchrun: a meta model is still built here
+                model = ctx.models[key]
+                sharding_units(model, self.shard_classes, key=key)  # what torchrun would refuse, refused here too
+                if on_meta_device(model):
+                    self._materialise(key, model, self._meta_initialisers(key, model), ctx.device)
+            return
         self._group, self._active = group, True
         world_size = dist.get_world_size(group)
         if ctx.world_size == 1 and world_size > 1:
@@ -393,7 +397,7 @@ class FSDPHook(ShardsTrainLoader):
         assert isinstance(model, FSDPModule)
         if meta:  # offloaded shards live in host memory
             assert self._ctx is not None
-            self._materialise(model, initialisers, torch.device("cpu") if self.cpu_offload else self._ctx.device)
+            self._materialise(key, model, initialisers, torch.device("cpu") if self.cpu_offload else self._ctx.device)
         self._sharded[key] = model
 
     def _meta_initialisers(self, key: str, model: torch.nn.Module) -> list[Callable[[], Any]]:
@@ -427,26 +431,29 @@ class FSDPHook(ShardsTrainLoader):
         return initialisers
 
     def _materialise(
-        self, model: torch.nn.Module, initialisers: list[Callable[[], Any]], device: torch.device
+        self, key: str, model: torch.nn.Module, initialisers: list[Callable[[], Any]], device: torch.device
     ) -> None:
         """Allocate a meta model's (sharded) tensors on ``device`` and run its ``meta_init`` ``initialisers``
         (bound methods found before sharding; ``fully_shard`` keeps the module objects)."""
         model.to_empty(device=device)
-        with torch.no_grad(), self._init_rng():
+        with torch.no_grad(), self._init_rng(key):
             for initialise in initialisers:
                 initialise()
 
-    def _init_rng(self) -> contextlib.AbstractContextManager[Any]:
+    def _init_rng(self, key: str) -> contextlib.AbstractContextManager[Any]:
         """Random initialisation of the shards. On CUDA, DTensor's RNG makes each shard the matching part of the
         full tensor's draw. CPU meshes lack it: there every shard index draws from a stream of its own (seeded from
-        the first rank's seed), so shards differ and HSDP replicas of one shard agree; training's stream is kept."""
+        the first rank's seed, the model's key and how many models this process materialised before it), so
+        shards differ, two models differ as two built eagerly one after the other do, and HSDP replicas of one
+        shard agree; training's stream is kept."""
         mesh = self._mesh
         if mesh is None or mesh.device_type != "cpu":
             return contextlib.nullcontext()
         base = torch.tensor([torch.initial_seed() % 2**62])
         dist.broadcast(base, src=_first_rank(self._group), group=self._group)
         shard_index = mesh.get_local_rank(mesh.mesh_dim_names[-1] if mesh.mesh_dim_names else -1)
-        return _seeded(hash((int(base), shard_index)) % 2**62)
+        model = zlib.crc32(key.encode())  # not hash(): a str's hash differs from process to process
+        return _seeded(hash((int(base), model, next(_MATERIALISED), shard_index)) % 2**62)
 
     # -- data --------------------------------------------------------------------------------
 
@@ -535,6 +542,10 @@ def _release_mesh_caches() -> None:
 
 def _first_rank(group: Any) -> int:
     return dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+
+
+#: Models this process has materialised from the meta device (every rank materialises the same, in order).
+_MATERIALISED = itertools.count()
 
 
 @contextlib.contextmanager

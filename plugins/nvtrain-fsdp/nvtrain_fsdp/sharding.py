@@ -32,7 +32,9 @@ def sharding_units(
 
     With ``shard_classes``: every submodule whose class name is listed; a listed name
     that matches no submodule is an error (a typo would otherwise shard the whole model
-    as one unit). Without: each top-level child that has parameters.
+    as one unit). Without: each top-level child that has parameters, and each member of a top-level
+    ``ModuleList`` / ``ModuleDict`` (a transformer's layers): a container has no forward of its own, which
+    ``fully_shard`` needs.
     """
     names = frozenset(shard_classes)
     if names:
@@ -45,14 +47,27 @@ def sharding_units(
                 f"expected class names of its submodules (it has {present})"
             )
     else:
-        units = [
-            (name, child)
-            for name, child in model.named_children()
-            if next(child.parameters(), None) is not None
-        ]
+        units = _top_level_units(model)
     _refuse_tied_across_units(model, [name for name, _ in units], owner=owner, key=key, chosen=bool(names))
     # named_modules() lists a parent before its children: shard in reverse, innermost first.
     return list(reversed(units))
+
+
+def _top_level_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The default units: the top-level children with parameters, a container's members in its place."""
+    units: list[tuple[str, torch.nn.Module]] = []
+
+    def visit(prefix: str, module: torch.nn.Module) -> None:
+        for name, child in module.named_children():
+            if next(child.parameters(), None) is None:
+                continue
+            if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                visit(f"{prefix}{name}.", child)
+            else:
+                units.append((f"{prefix}{name}", child))
+
+    visit("", model)
+    return units
 
 
 def _refuse_tied_across_units(

@@ -238,8 +238,9 @@ def test_amp_fp16_beside_fsdp_mixed_precision_is_refused_as_a_double_cast() -> N
         strategy.setup(make_loader())
 
 
-@pytest.mark.usefixtures("world_of_one")
-def test_cpu_offload_on_a_cpu_device_is_refused_with_the_field() -> None:
+@pytest.mark.parametrize("world", ["world_of_one", "no_torchrun_env"])  # refused alike under torchrun and python
+def test_cpu_offload_on_a_cpu_device_is_refused_with_the_field(world: str, request: pytest.FixtureRequest) -> None:
+    request.getfixturevalue(world)
     strategy = make_strategy(FSDPHook(cpu_offload=True))
     with strategy, pytest.raises(ValueError, match=r"FSDPHook.cpu_offload=True needs a CUDA device") as caught:
         strategy.setup(make_loader())
@@ -327,7 +328,7 @@ def test_single_process_trains_the_plain_model(caplog: pytest.LogCaptureFixture)
         assert strategy.ctx.models["main"] is model and not isinstance(model, FSDPModule)
         assert strategy.ctx.train_loader is loader
     assert result.step_count == 4 and not dist.is_initialized()
-    assert "param_dtype have no effect" in caplog.text
+    assert "param_dtype has no effect" in caplog.text
 
 
 # -- a gloo world of one: the hook is active ---------------------------------------------------------
@@ -377,6 +378,33 @@ def test_a_closed_run_leaves_nothing_holding_its_process_group(monkeypatch: pyte
     gc.collect()
     # CPython counts getrefcount's own argument: 2 means only this test's variable still holds the group
     assert sys.getrefcount(group) == 2
+
+
+class _Layered(torch.nn.Module):
+    """A transformer's layout: an embedding, its layers in a ModuleList, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(2, 4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+        self.blocks = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4)})
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.emb(x)
+        for layer in [*self.layers, *self.blocks.values()]:
+            x = layer(x)
+        return self.head(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_the_default_units_are_a_containers_members() -> None:
+    """fully_shard refuses a ModuleList (no forward of its own): the default rule takes its members instead."""
+    mesh = torch.distributed.device_mesh.DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    model = _Layered()
+    assert shard_model(model, mesh) == ["head", "blocks.a", "layers.1", "layers.0", "emb", ""]
+    assert all(isinstance(module, FSDPModule) for module in (model.emb, *model.layers, model.blocks["a"], model.head))
+    model(torch.randn(3, 2)).sum().backward()
 
 
 @pytest.mark.usefixtures("world_of_one")

@@ -85,6 +85,29 @@ def test_a_sharded_meta_model_gets_initialised_shards_and_trains() -> None:
     assert result.step_count == 4
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_two_meta_models_are_initialised_apart_as_eager_builds_one_after_the_other_are() -> None:
+    """On a CPU mesh every model drew from the same stream (the seed and the shard index): a generator and a
+    discriminator built on meta started with the same weights, under torchrun only."""
+
+    def initialised() -> list[torch.Tensor]:
+        torch.manual_seed(7)
+        with torch.device("meta"):
+            models = {"main": torch.nn.Linear(4, 8), "disc": torch.nn.Linear(4, 8)}
+        adamw = functools.partial(torch.optim.AdamW, lr=0.01)
+        run = nvtrain.TrainingStrategy(
+            models, {"main": adamw, "disc": adamw}, torch.nn.functional.mse_loss, hooks=[FSDPHook()], device="cpu"
+        )
+        with run:
+            run.setup()
+            return [local(run.ctx.models[key].weight).detach().clone() for key in ("main", "disc")]
+
+    main, disc = initialised()
+    assert not torch.equal(main, disc)
+    again = initialised()  # a later build in this process draws on, as an eager one would
+    assert not torch.equal(again[0], main) and not torch.equal(again[1], disc)
+
+
 class InitWeights(torch.nn.Module):
     """A model initialised by one root method, torchtitan-style (the layers' own resets not used)."""
 
@@ -215,9 +238,11 @@ def test_nvtrain_train_builds_the_model_on_meta_for_the_fsdp_hook(
     built: list[bool] = []
     real = FSDPHook._materialise
 
-    def watch(self: FSDPHook, model: torch.nn.Module, initialisers: list[Any], device: torch.device) -> None:
+    def watch(
+        self: FSDPHook, key: str, model: torch.nn.Module, initialisers: list[Any], device: torch.device
+    ) -> None:
         built.append(all(p.is_meta for p in model.parameters()))  # as the factory left it
-        real(self, model, initialisers, device)
+        real(self, key, model, initialisers, device)
 
     monkeypatch.setattr(FSDPHook, "_materialise", watch)
     assert main(["train", str(write_job(tmp_path, "[fsdp]"))]) == 0
