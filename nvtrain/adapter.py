@@ -42,12 +42,27 @@ def _plain(hook: Hook, stage: TrainingStage) -> Callable[[Any], Any]:
     return fire
 
 
+#: The stages that follow a step's optimizer step: at step S > 0 they fire on the micro-batch that took step S.
+_AFTER_THE_STEP = frozenset({TrainingStage.AFTER_OPTIMIZER_STEP, TrainingStage.AFTER_BATCH})
+
+
 def _gated(hook: Hook, stage: TrainingStage, frequency: int) -> Callable[[Any], Any]:
+    """Fire at most once per step value that is a multiple of ``frequency``.
+
+    A run resumed at step S has had S's post-step stages fire before its checkpoint: they
+    wait for a micro-batch that takes a step, as they did in the run that never stopped. A
+    restore that rewinds the counter lets its steps fire again.
+    """
     last_fired: list[int] = [-1]
+    after_the_step = stage in _AFTER_THE_STEP
 
     def fire(ctx: Any) -> Any:
         step = ctx.step_count
+        if step < last_fired[0]:  # a state restored from an earlier step: its steps come again
+            last_fired[0] = -1
         if step % frequency or step == last_fired[0]:
+            return None
+        if after_the_step and step and ctx.step_skipped:  # step S was taken before this micro-batch
             return None
         last_fired[0] = step
         return hook(ctx, stage)

@@ -7,11 +7,13 @@ update and are composed by the :class:`~nvtrain.orchestrator.TrainingUpdateOrche
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from nvtrain.hookspecs import PROJECT_NAME as _PROJECT
 from nvtrain.stages import REPLACEMENT_STAGES, UPDATE_STAGES, TrainingStage
 
 if TYPE_CHECKING:
@@ -284,6 +286,10 @@ def check_priority(hook: object) -> int:
     return priority
 
 
+#: The method names of the stages (``after_batch``...).
+_STAGE_NAMES = frozenset(stage.hook_name for stage in TrainingStage)
+
+
 def validate_observer_hook(hook: Hook, stages: Iterable[TrainingStage]) -> frozenset[TrainingStage]:
     """Check a seed-style Hook's stages and frequency; return its stage set."""
     label = hook_label(hook)
@@ -305,4 +311,38 @@ def validate_observer_hook(hook: Hook, stages: Iterable[TrainingStage]) -> froze
     if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
         raise ValueError(f"hook {label}: 'frequency' must be an int >= 1 (got {freq!r})")
     check_priority(hook)
+    _check_call(hook, label)
+    _refuse_stage_methods(hook, label, stage_set)
     return stage_set
+
+
+def _check_call(hook: Hook, label: str) -> None:
+    """The stages reach a Hook through ``__call__(ctx, stage)``: one missing or unable to take them is refused
+    now, not at the first stage it declares (after SETUP and a step)."""
+    if isinstance(hook, Hook) and type(hook).__call__ is Hook.__call__:
+        raise ValueError(f"hook {label}: implements no __call__(ctx, stage), which its stages call")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read, it is tried at the first stage
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ValueError(
+            f"hook {label}: __call__{signature} cannot take (ctx, stage), which its stages pass"
+        ) from None
+
+
+def _refuse_stage_methods(hook: Hook, label: str, stages: frozenset[TrainingStage]) -> None:
+    """A Hook is called through ``__call__`` on its declared stages only: a method named after a stage, or
+    marked ``@nvtrain.hookimpl``, would never run (and a plugin listing would show it as a stage)."""
+    marker = f"{_PROJECT}_impl"
+    for name in dir(type(hook)):
+        attribute = getattr(type(hook), name, None)
+        if name in _STAGE_NAMES or (callable(attribute) and hasattr(attribute, marker)):
+            declared = ", ".join(sorted(s.name for s in stages))
+            raise ValueError(
+                f"hook {label}: its method {name}() is never called: a Hook runs __call__(ctx, stage) on the "
+                f"stages it declares ({declared}). Declare the stage in 'stages' and handle it in __call__, "
+                "or write the class as a plugin of @nvtrain.hookimpl methods without the Hook base"
+            )

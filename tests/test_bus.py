@@ -469,6 +469,57 @@ def test_seed_hook_without_stages_or_with_bad_frequency_is_refused(make_strategy
         make_strategy([Declares(("after_batch",))])
 
 
+class NoCall(nvtrain.Hook):
+    stages = (S.AFTER_BATCH,)
+
+
+class CallWithoutStage(nvtrain.Hook):
+    stages = (S.AFTER_BATCH,)
+
+    def __call__(self, ctx: Any) -> None:  # type: ignore[override]
+        return None
+
+
+class StageMethod(nvtrain.Hook):
+    stages = (S.AFTER_EPOCH,)
+
+    def __call__(self, ctx: Any, stage: TrainingStage) -> None:
+        return None
+
+    def after_batch(self, ctx: Any) -> None:  # never called: a Hook is called through __call__
+        return None
+
+
+class MarkedTypo(nvtrain.Hook):
+    stages = (S.AFTER_EPOCH,)
+
+    def __call__(self, ctx: Any, stage: TrainingStage) -> None:
+        return None
+
+    @nvtrain.hookimpl
+    def after_bach(self, ctx: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("hook", "message"),
+    [
+        (NoCall(), r"hook NoCall: implements no __call__\(ctx, stage\), which its stages call"),
+        (CallWithoutStage(), r"hook CallWithoutStage: __call__\(ctx: 'Any'\) -> 'None' cannot take \(ctx, stage\)"),
+        (StageMethod(), r"hook StageMethod: its method after_batch\(\) is never called: a Hook runs __call__"),
+        (MarkedTypo(), r"hook MarkedTypo: its method after_bach\(\) is never called"),
+    ],
+    ids=["no __call__", "__call__ without stage", "stage method", "marked method"],
+)
+def test_a_seed_hook_the_loop_could_not_call_as_written_is_refused_at_registration(
+    make_strategy: Any, hook: object, message: str
+) -> None:
+    """Each registered, then failed mid-run after SETUP and a step (a missing or narrow __call__), or was never
+    called at all while a plugin listing showed its stage (a method of its own)."""
+    with pytest.raises(ValueError, match=message):
+        make_strategy([hook])
+
+
 def test_seed_hook_registered_with_stage_argument_fires_there(make_strategy: Any, batches: Any) -> None:
     seen: list[TrainingStage] = []
 

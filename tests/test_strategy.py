@@ -139,6 +139,53 @@ def test_seed_hook_frequency_fires_once_per_step_value(make_strategy: Any, batch
     assert fired == [(S.AFTER_BATCH, 2, 2), (S.AFTER_BATCH, 4, 5), (S.AFTER_EPOCH, 4, 6)]
 
 
+class EverySecond(nvtrain.Hook):
+    """Records (stage, step) at every firing of a frequency-2 seed hook."""
+
+    stages = (S.BEFORE_BATCH, S.AFTER_OPTIMIZER_STEP, S.AFTER_BATCH)
+    frequency = 2
+
+    def __init__(self) -> None:
+        self.fired: list[tuple[str, int]] = []
+
+    def __call__(self, ctx: Any, stage: TrainingStage) -> None:
+        self.fired.append((stage.name, ctx.step_count))
+
+
+def test_seed_hook_frequency_after_a_resume_fires_as_the_run_that_never_stopped(make_strategy: Any, batches: Any) -> None:
+    """The post-step stages of the resume step fired before its checkpoint: a fresh hook (a new process) fired
+    them again on the next window's first micro-batch, which takes no step."""
+    from nvtrain.hooks import GradientAccumulationHook
+
+    data = batches(16)
+    straight = EverySecond()
+    make_strategy([GradientAccumulationHook(steps=2), straight], max_steps=8).run(data)
+    first = make_strategy([GradientAccumulationHook(steps=2)], max_steps=4)
+    first.run(data)
+    state = copy.deepcopy(first.state_dict())
+    resumed_hook = EverySecond()
+    resumed = make_strategy([GradientAccumulationHook(steps=2), resumed_hook], max_steps=8)
+    resumed.load_state_dict(state)
+    resumed.run(data)
+    at_the_resume = straight.fired.index(("BEFORE_BATCH", 4))  # step 4's post-step stages fired before it
+    assert resumed_hook.fired == straight.fired[at_the_resume:]
+    assert resumed_hook.fired[:3] == [("BEFORE_BATCH", 4), ("AFTER_OPTIMIZER_STEP", 6), ("AFTER_BATCH", 6)]
+
+
+def test_seed_hook_frequency_fires_again_for_steps_a_restore_brings_back(make_strategy: Any, batches: Any) -> None:
+    """Rewound to step 2, a run takes steps 3 and 4 again: step 4's stages fire again."""
+    earlier = make_strategy([], max_steps=2)
+    earlier.run(batches(8))
+    state = copy.deepcopy(earlier.state_dict())
+    hook = EverySecond()
+    strategy = make_strategy([hook], max_steps=4)
+    strategy.run(batches(8))
+    strategy.load_state_dict(state)
+    strategy.run(batches(8))
+    after_batch = [step for stage, step in hook.fired if stage == "AFTER_BATCH"]
+    assert after_batch == [2, 4, 4]
+
+
 # -- lifetime: the context manager ------------------------------------------------------------
 
 
