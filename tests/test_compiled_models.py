@@ -43,9 +43,32 @@ def _batches(rank: int = 0, world_size: int = 1) -> list[tuple[torch.Tensor, tor
     ]
 
 
+class _MLP(torch.nn.Module):
+    """A model class of its own: on a bare ``nn.Sequential``, ``model.compile()`` compiles nothing in this torch
+    (Dynamo skips the container's forward), and the in-place variant would compare eager with eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = torch.nn.Linear(8, 16)
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x)))  # type: ignore[no-any-return]
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    return _MLP()
+
+
+#: Graphs the compiling backend was given (each compiled run must add some: it really compiled).
+GRAPHS: list[int] = []
+
+
+def _aot_eager(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+    """``aot_eager``, counting the graphs it is given."""
+    GRAPHS.append(len(graph.graph.nodes))
+    return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
 
 
 def _strategy(model: torch.nn.Module, hooks: list[object], max_steps: int) -> nvtrain.TrainingStrategy:
@@ -72,12 +95,12 @@ def _standard_stack(directory: Path | None = None, resume: str = "never") -> lis
 
 def _compiled(model: torch.nn.Module) -> torch.nn.Module:
     """``torch.compile(model)``: a wrapper module (``OptimizedModule``) whose weights are named ``_orig_mod.*``."""
-    return torch.compile(model, backend="aot_eager")  # type: ignore[return-value]
+    return torch.compile(model, backend=_aot_eager)  # type: ignore[return-value]
 
 
 def _compiled_in_place(model: torch.nn.Module) -> torch.nn.Module:
     """``model.compile()``: the same module, its ``__call__`` compiled (what torch recommends)."""
-    model.compile(backend="aot_eager")
+    model.compile(backend=_aot_eager)
     return model
 
 
@@ -115,7 +138,10 @@ def eager() -> dict[str, Any]:
 def test_a_compiled_model_trains_bitwise_like_the_eager_one_with_the_standard_stack(
     how: str, eager: dict[str, Any]
 ) -> None:
+    torch._dynamo.reset()  # compile afresh: code compiled for another instance of the class would be reused
+    graphs = len(GRAPHS)
     compiled = _run(COMPILERS[how](_model()), _standard_stack())
+    assert len(GRAPHS) > graphs, f"{how}: nothing was compiled"
     _assert_equal(eager["weights"], compiled["weights"], "weights")
     _assert_equal(eager["ema"], compiled["ema"], "EMA average")  # a plain module's keys: no '_orig_mod.'
     for index, state in eager["optimizer"].items():
