@@ -122,26 +122,31 @@ def device_mover(device: torch.device | None) -> Callable[[Any], Any]:
     edits the batch in place never edits what the loader holds, on any device.
     """
     if device is None:
-        return tensor_mapper(lambda tensor: tensor, move_objects=None)
+        return tensor_mapper(None)
     return tensor_mapper(lambda tensor: tensor.to(device, non_blocking=True), move_objects=device)
 
 
-def tensor_mapper(function: Callable[[torch.Tensor], Any], *, move_objects: Any = None) -> Callable[[Any], Any]:
-    """``apply(value)``: a copy of ``value`` with ``function`` applied to every tensor in it, through the
-    containers :func:`device_mover` knows (mappings, named tuples, lists and tuples, dataclass and
-    attrs fields). ``move_objects``: a device other objects with a ``to()`` method are moved to (None:
-    they are passed through)."""
+def tensor_mapper(
+    function: Callable[[torch.Tensor], Any] | None, *, move_objects: Any = None
+) -> Callable[[Any], Any]:
+    """``apply(value)``: a copy of ``value`` with ``function`` applied to every tensor in it (None: the tensors
+    kept as they are, the containers copied), through the containers :func:`device_mover` knows (mappings,
+    named tuples, lists and tuples, dataclass and attrs fields). ``move_objects``: a device other objects
+    with a ``to()`` method are moved to (None: they are passed through)."""
 
     def apply(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return function(value)
+        kind = type(value)
+        if kind is torch.Tensor or isinstance(value, torch.Tensor):
+            return value if function is None else function(value)
+        if kind is tuple or kind is list:  # the common batch, first: no abstract-class checks for it
+            return kind([apply(item) for item in value])
         if isinstance(value, Mapping):
             mapped = {key: apply(item) for key, item in value.items()}
-            return mapped if type(value) is dict else _same_mapping(value, mapped)
+            return mapped if kind is dict else _same_mapping(value, mapped)
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple: rebuilt by position
-            return type(value)(*(apply(item) for item in value))
+            return kind(*(apply(item) for item in value))
         if isinstance(value, (tuple, list)):
-            return type(value)(apply(item) for item in value)
+            return kind(apply(item) for item in value)
         if isinstance(value, _PLAIN):  # labels, ids, flags: nothing to map, nothing to inspect
             return value
         fields = _record_fields(value)
