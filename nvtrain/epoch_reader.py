@@ -219,7 +219,10 @@ class EpochReader:
         for iterator in (self.iterator, getattr(self.loader, "_iterator", None)):
             state_of = getattr(iterator, "state_dict", None)
             if callable(state_of) and getattr(iterator, "_num_yielded", expected) == expected:
-                return {"num_workers": self.loader.num_workers, "state": state_of()}
+                state = state_of()
+                if reiterates_unsaved_parts(state):
+                    return None  # replayed under the epoch's RNG states instead, which gives the saved order
+                return {"num_workers": self.loader.num_workers, "state": state}
         return None
 
     def loader_entry(self, position: int, closed_position: int) -> dict[str, Any] | None:
@@ -273,4 +276,32 @@ class EpochReader:
                 f"num_workers={workers}, but this loader has num_workers={live}; torchdata restores a loader's "
                 f"state only into one with as many workers: build it with num_workers={workers} to resume"
             )
+        if reiterates_unsaved_parts(entry["state"]):  # saved before such states were left out: replayed instead
+            return None
         return {"num_workers": workers, "state": dict(entry["state"])}
+
+
+def reiterates_unsaved_parts(state: Mapping[str, Any]) -> bool:
+    """Whether a StatefulDataLoader state resumes its position by iterating its sampler (or iterable data set)
+    again and skipping what was yielded, because that part has no ``state_dict()`` of its own.
+
+    Such a new iteration draws afresh: a sampler or data set that shuffles with the global RNG
+    yields another order, and the rest of the epoch repeats some samples and skips others.
+    nvtrain's own replay, under the epoch's saved RNG states, yields the saved order.
+    """
+    snapshot = state.get("_snapshot")
+    if not isinstance(snapshot, Mapping) and "_sampler_iter_state" not in state:
+        return False  # not a state of this torchdata's shape: torchdata itself says what is wrong with it
+    main = snapshot.get("_main_snapshot", {}) if isinstance(snapshot, Mapping) else state
+    workers = snapshot.get("_worker_snapshots", {}) if isinstance(snapshot, Mapping) else {"main": state}
+    parts = [part for part in workers.values() if isinstance(part, Mapping)]
+    fetchers = [part.get("fetcher_state") for part in parts]
+    if any(isinstance(fetcher, Mapping) for fetcher in fetchers):  # an iterable data set
+        return all(
+            part.get("dataset_state") is None
+            and not (isinstance(fetcher, Mapping) and fetcher.get("dataset_iter_state") is not None)
+            for part, fetcher in zip(parts, fetchers, strict=True)
+        )
+    sampler = main.get("_sampler_iter_state")
+    saved = isinstance(sampler, Mapping) and bool({"sampler_iter_state", "sampler_state"} & set(sampler))
+    return main.get("_index_sampler_state") is None and not saved

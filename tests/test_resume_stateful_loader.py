@@ -83,6 +83,43 @@ def test_a_resume_from_the_loaders_own_state_equals_the_uninterrupted_run(worker
     assert set(order[SAMPLES:end]) <= set(reads[rest:])
 
 
+class GlobalShuffle(torch.utils.data.Sampler[int]):
+    """A sampler of one's own that shuffles with the global RNG and keeps no state_dict()."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __iter__(self) -> Any:
+        return iter(torch.randperm(self.samples).tolist())
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["0-workers", "2-workers"])
+def test_a_sampler_without_a_state_of_its_own_resumes_on_the_saved_order(workers: int) -> None:
+    """torchdata resumes such a sampler by iterating it again and skipping what was yielded: a new
+    permutation, so the rest of the epoch repeated some samples and skipped others. Its state is left out
+    of the checkpoint, and the epoch is replayed under the epoch's saved RNG states."""
+
+    def loader() -> Any:
+        dataset = CountingDataset(SAMPLES)
+        return StatefulDataLoader(dataset, batch_size=BATCH, sampler=GlobalShuffle(SAMPLES), num_workers=workers)
+
+    grab = GrabState(10)
+    straight_loader = loader()
+    trained = RecordSamples(straight_loader.dataset)
+    straight = train(straight_loader, [grab, trained], 30)
+    state = grab.state
+    assert state is not None and state["scheduler"]["position"] == 10 and state["scheduler"]["loader"] is None
+    resumed_loader = loader()
+    resumed_trained = RecordSamples(resumed_loader.dataset)
+    resumed = train(resumed_loader, [resumed_trained], 30, state=state)
+    assert resumed_trained.samples == trained.samples[10 * BATCH :]
+    for name, tensor in straight["params"].items():
+        assert torch.equal(tensor, resumed["params"][name]), name
+
+
 def _stream_loader(workers: int) -> Any:
     return StatefulDataLoader(CountingStream(SAMPLES), batch_size=BATCH, num_workers=workers)
 
