@@ -42,6 +42,7 @@ from nvtrain.host_rng import apply_host_rng, capture_host_rng
 __all__ = [
     "DataCursor",
     "capture_rng",
+    "check_rng_fits",
     "epoch_iterator",
     "is_one_shot",
     "is_stateful_dataloader",
@@ -220,14 +221,21 @@ def capture_rng(generators: Sequence[torch.Generator]) -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), **capture_host_rng(), "generators": [g.get_state() for g in generators]}
 
 
-def restore_rng(state: Mapping[str, Any], generators: Sequence[torch.Generator]) -> None:
-    """Put back what :func:`capture_rng` took (the generators listed in the same order)."""
+def check_rng_fits(state: Mapping[str, Any], generators: Sequence[Any]) -> None:
+    """A saved epoch RNG state holds one state per generator of the loader (sampler's and loader's), or a
+    ValueError says what differs: it is refused before a resume loads anything, not at the epoch's first window."""
     saved = list(state.get("generators", []))
     if len(saved) != len(generators):
         raise ValueError(
             f"StepScheduler: the saved epoch RNG holds {len(saved)} sampler/loader generator state(s) but the "
             f"dataloader has {len(generators)} generator(s); build the loader the same way as the saved run"
         )
+
+
+def restore_rng(state: Mapping[str, Any], generators: Sequence[torch.Generator]) -> None:
+    """Put back what :func:`capture_rng` took (the generators listed in the same order)."""
+    check_rng_fits(state, generators)
+    saved = list(state.get("generators", []))
     torch.set_rng_state(state["torch"])
     apply_host_rng(state)  # an epoch state saved before these were kept has neither: left as they are
     for generator, generator_state in zip(generators, saved, strict=True):

@@ -220,7 +220,7 @@ class EpochReader:
             state_of = getattr(iterator, "state_dict", None)
             if callable(state_of) and getattr(iterator, "_num_yielded", expected) == expected:
                 state = state_of()
-                if reiterates_unsaved_parts(state):
+                if reiterates_unsaved_parts(state) and not _fixed_order(self.loader):
                     return None  # replayed under the epoch's RNG states instead, which gives the saved order
                 return {"num_workers": self.loader.num_workers, "state": state}
         return None
@@ -276,7 +276,7 @@ class EpochReader:
                 f"num_workers={workers}, but this loader has num_workers={live}; torchdata restores a loader's "
                 f"state only into one with as many workers: build it with num_workers={workers} to resume"
             )
-        if reiterates_unsaved_parts(entry["state"]):  # saved before such states were left out: replayed instead
+        if reiterates_unsaved_parts(entry["state"]) and not _fixed_order(self.loader):  # saved before: replayed
             return None
         return {"num_workers": workers, "state": dict(entry["state"])}
 
@@ -305,3 +305,9 @@ def reiterates_unsaved_parts(state: Mapping[str, Any]) -> bool:
     sampler = main.get("_sampler_iter_state")
     saved = isinstance(sampler, Mapping) and bool({"sampler_iter_state", "sampler_state"} & set(sampler))
     return main.get("_index_sampler_state") is None and not saved
+
+
+def _fixed_order(loader: Any) -> bool:
+    """Whether iterating the loader's sampler again yields the same order (torch's SequentialSampler): its
+    fast-forward then lands where the saved run was."""
+    return isinstance(getattr(loader, "sampler", None), torch.utils.data.SequentialSampler)

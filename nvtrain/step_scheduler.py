@@ -40,7 +40,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from nvtrain.data_cursor import is_one_shot
+from nvtrain.data_cursor import check_rng_fits, is_one_shot, loader_generators
 from nvtrain.data_resharding import global_order, order_differences, resharded_position
 from nvtrain.epoch_reader import NO_ITEM, EpochReader, loader_len, loader_parts
 from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
@@ -828,7 +828,11 @@ class StepScheduler:
                 "other samples of it (some twice, some never). Resume with the same data and sampler settings, "
                 "or restore without the data position"
             )
-        return state, self._reader.check_loader_entry(state.get("loader"), "StepScheduler.load_state_dict")
+        entry = self._reader.check_loader_entry(state.get("loader"), "StepScheduler.load_state_dict")
+        rng = state.get("epoch_rng")
+        if entry is None and isinstance(rng, Mapping) and self.dataloader is not None:  # the epoch is replayed
+            check_rng_fits(rng, list(loader_generators(self.dataloader).values()))
+        return state, entry
 
     def _resharded(
         self, state: Any, saved: dict[str, Any], mine: dict[str, Any], differ: dict[str, Any], *, announce: bool

@@ -118,3 +118,19 @@ def test_a_data_position_refused_after_the_rest_was_loaded_is_refused_again_by_a
         with pytest.raises(ResumeError, match=r"different configuration \(global_batch_size: saved 4, now 8"):
             strategy.run(loader())  # never trains on without the data position
         assert_same(loaded, snapshot(strategy, tally))
+
+
+def test_a_loader_with_other_generators_is_refused_before_anything_is_loaded() -> None:
+    """The saved epoch's order is replayed from its RNG states, one per generator of the loader: a loader built
+    with a generator= of its own (or without one) was refused only at the epoch's first window, after the
+    weights, counters and hook states were loaded."""
+    state = saved_state()
+    tally = Tally()
+    strategy = make_strategy(tally, global_batch_size=4)
+    strategy.load_state_dict(state)
+    with_generator = loader()
+    with_generator.generator = torch.Generator().manual_seed(5)
+    with pytest.raises(ResumeError, match=r"saved epoch RNG holds 0 sampler/loader generator state\(s\) but the "
+                       r"dataloader has 1"):
+        strategy.run(with_generator)
+    assert_same(fresh_snapshot(), snapshot(strategy, tally))
