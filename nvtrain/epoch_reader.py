@@ -308,6 +308,8 @@ def reiterates_unsaved_parts(state: Mapping[str, Any]) -> bool:
 
 
 def _fixed_order(loader: Any) -> bool:
-    """Whether iterating the loader's sampler again yields the same order (torch's SequentialSampler): its
-    fast-forward then lands where the saved run was."""
-    return isinstance(getattr(loader, "sampler", None), torch.utils.data.SequentialSampler)
+    """Whether iterating the loader's sampler again yields the same order: torch's SequentialSampler, and its
+    DistributedSampler (seeded by its seed and epoch, not the global RNG). torchdata's fast-forward then lands
+    where the saved run was, without reading the samples before it."""
+    sampler = getattr(loader, "sampler", None)
+    return isinstance(sampler, (torch.utils.data.SequentialSampler, torch.utils.data.DistributedSampler))
