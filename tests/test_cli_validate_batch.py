@@ -143,6 +143,20 @@ def test_a_good_config_reports_one_batch_and_writes_nothing(job: Path, capsys: p
     assert listing(job.parent) == before  # no run directory, no checkpoint, no log
 
 
+def test_a_config_that_resumes_says_the_batch_ran_on_the_weights_as_built(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The check runs before the resume loads anything: its loss is not the checkpoint's, and says so."""
+    pytest.importorskip("nvtrain_checkpoint")
+    hooks = "hooks=[{name: checkpoint, resume: auto}]"
+    assert main(["train", str(job), *sets(hooks)]) == EXIT_OK, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["validate", str(job), *sets(hooks, "trainer.max_steps=4")]) == EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith(" ms, on the weights as built, not the checkpoint's)"), lines
+    assert lines[2].startswith("resumes from "), lines
+
+
 def test_without_validation_data_only_the_training_batch_is_reported(
     job: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

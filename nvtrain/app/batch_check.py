@@ -49,12 +49,14 @@ class BatchCheck:
     validation: Mapping[str, float] | None
     forward_ms: float
 
-    def describe(self) -> str:
-        """``one batch: loss 2.3026, validation loss 2.3011, accuracy 0.125 (forward 12 ms)``."""
+    def describe(self, *, resumes: bool = False) -> str:
+        """``one batch: loss 2.3026, validation loss 2.3011, accuracy 0.125 (forward 12 ms)``; ``resumes``: the
+        run starts from a checkpoint, which the check (on the weights as built) does not load."""
         parts = [f"loss {self.loss:.5g}"]
         if self.validation is not None:
             parts += [f"{'validation loss' if name == 'loss' else name} {v:.5g}" for name, v in self.validation.items()]
-        return f"one batch: {', '.join(parts)} (forward {self.forward_ms:.0f} ms)"
+        weights = ", on the weights as built, not the checkpoint's" if resumes else ""
+        return f"one batch: {', '.join(parts)} (forward {self.forward_ms:.0f} ms{weights})"
 
 
 def check_one_batch(plan: Plan, built: Built) -> BatchCheck:

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     names = ", ".join(type(hook).__name__ for hook in plan.hooks) or "none"
     print(f"{plan.loaded.source}: valid (run directory {plan.run_dir}; hooks: {names})")
     if checked is not None:
-        print(checked.describe())
+        print(checked.describe(resumes=built.resume_from is not None))
     if built.resume_from is not None:
         print(f"resumes from {built.resume_from} (step {built.resume_step})")
         for change in built.changes:
