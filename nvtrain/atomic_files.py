@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["new_file_mode", "replaced_atomically", "temporary_name"]
+__all__ = ["name_max", "new_file_mode", "replaced_atomically", "temporary_name"]
 
 #: The length of the random part ``tempfile.mkstemp`` puts between its prefix and suffix.
 _MKSTEMP_RANDOM = 8
@@ -44,13 +44,13 @@ def temporary_name(directory: Path, prefix: str, name: str, suffix: str = "", *,
     """``prefix + name + suffix``, ``name`` cut short (whole characters) where the result and ``reserved`` more
     bytes would pass the file system's limit on one name (NAME_MAX): a temporary file beside a target whose
     own name is near that limit still gets a name, kept hidden and unique by ``prefix`` and what follows."""
-    room = _name_max(directory) - len(os.fsencode(prefix + suffix)) - reserved
+    room = name_max(directory) - len(os.fsencode(prefix + suffix)) - reserved
     while name and len(os.fsencode(name)) > room:
         name = name[: min(len(name) - 1, max(room, 0))]
     return f"{prefix}{name}{suffix}"
 
 
-def _name_max(directory: Path) -> int:
+def name_max(directory: Path) -> int:
     """The longest file name ``directory``'s file system takes, in bytes (255 where it cannot say)."""
     try:
         limit = os.pathconf(directory, "PC_NAME_MAX")

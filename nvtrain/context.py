@@ -105,11 +105,10 @@ class TrainingContext:
         subclass such as a model's output record), named tuples, lists, tuples, dataclass and
         attrs fields.
         """
-        detach = _DETACH
-        self.outputs = detach(self.outputs)
+        self.outputs = _DETACH(self.outputs)
         # whatever a loss_fn or a hook left there: a float or a tuple is what the failed step is reported for
-        self.loss = detach(self.loss)
-        self.backward_loss = detach(self.backward_loss)
+        self.loss = _DETACH(self.loss)
+        self.backward_loss = _DETACH(self.backward_loss)
 
     def __repr__(self) -> str:
         stage = self.stage.name if self.stage is not None else None

@@ -23,6 +23,7 @@ import torch
 
 from nvtrain.app.resume_plan import check_saved_weights, plan_resume, saved_state, with_model_changes
 from nvtrain.app.run_watch import RunWatch
+from nvtrain.atomic_files import name_max
 from nvtrain.batching import loader_batch_size
 from nvtrain.config import LoadedConfig, RunConfig
 from nvtrain.hook import SavesCheckpoints, accumulating_hook
@@ -198,7 +199,7 @@ def _check_creatable(
     _, existing = folders_to_create(target)
     if not existing.is_dir():  # a file in the way (prepare() and the hooks' validators name it), or the file itself
         return
-    limit = _name_max(existing)
+    limit = name_max(existing)
     to_create = target.parts[len(existing.parts) :]
     for position, part in enumerate(to_create, start=1):
         size = len(os.fsencode(part))
@@ -222,14 +223,6 @@ def _check_creatable(
             key,
         ) from None
     probe.rmdir()
-
-
-def _name_max(folder: Path) -> int:
-    """The longest name ``folder``'s file system takes, in bytes (255 where the OS does not say)."""
-    try:
-        return int(os.pathconf(folder, "PC_NAME_MAX"))
-    except (OSError, ValueError, AttributeError):  # no pathconf (Windows), or no such setting
-        return 255
 
 
 def folders_to_create(path: Path) -> tuple[list[Path], Path]:
@@ -261,7 +254,7 @@ def _constructing(loaded: LoadedConfig, path: tuple[str | int, ...], what: str, 
         raise
     except NOT_REFUSALS:  # out of memory, a failing device or process group: the run's failure, with its traceback
         raise
-    except refusals() as err:
+    except REFUSALS as err:
         # ImportError: a factory needing what is not installed (the digits job without scikit-learn);
         # RuntimeError: what torch raises for an argument it refuses (manual_seed('abc')), as factories do too
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -282,12 +275,11 @@ def _not_refusals() -> tuple[type[BaseException], ...]:
 NOT_REFUSALS = _not_refusals()
 
 
-def refusals() -> tuple[type[Exception], ...]:
-    """What a factory or a hook raises to refuse what it is given (one line, not a traceback).
-
-    Catch :data:`NOT_REFUSALS` first: those RuntimeErrors are the run's failure, never a refusal.
-    """
-    return (ValueError, TypeError, KeyError, IndexError, AssertionError, ImportError, RuntimeError)
+#: What a factory or a hook raises to refuse what it is given (one line, not a traceback). Catch
+#: :data:`NOT_REFUSALS` first: those RuntimeErrors are the run's failure, never a refusal.
+REFUSALS: tuple[type[Exception], ...] = (
+    ValueError, TypeError, KeyError, IndexError, AssertionError, ImportError, RuntimeError
+)
 
 
 def _blame(loaded: LoadedConfig, path: tuple[str | int, ...], message: str) -> tuple[str | int, ...]:

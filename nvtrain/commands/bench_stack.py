@@ -162,9 +162,9 @@ def trial_step(hooks: Sequence[object], *, model: MLP = MODELS["tiny"], device: 
 def _refused_as(where: str, hooks: Sequence[object]) -> Iterator[None]:
     """A refusal raised in the block as :class:`StackRefused` at ``where``, by the rule ``nvtrain train`` uses
     for a factory's refusal; out-of-memory and accelerator errors propagate with their traceback."""
-    from nvtrain.app.building import NOT_REFUSALS, refusals
+    from nvtrain.app.building import NOT_REFUSALS, REFUSALS
 
-    refused: tuple[type[Exception], ...] = (FieldProblem, *refusals())
+    refused: tuple[type[Exception], ...] = (FieldProblem, *REFUSALS)
     try:
         yield
     except NOT_REFUSALS:
