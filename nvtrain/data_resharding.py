@@ -21,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from nvtrain.data_cursor import is_stateful_dataloader
 
-__all__ = ["global_order", "order_differences", "resharded_position"]
+__all__ = ["global_order", "order_differences", "resharded_position", "sampler_kind"]
 
 
 def global_order(loader: Any) -> dict[str, Any] | None:
@@ -43,9 +43,29 @@ def global_order(loader: Any) -> dict[str, Any] | None:
     return {"samples": samples, "shuffle": sampler.shuffle, "seed": sampler.seed, "drop_last": sampler.drop_last}
 
 
+def sampler_kind(loader: Any) -> str | None:
+    """The classes that order ``loader``'s epochs (``"RandomSampler"``, ``"SequentialSampler"``, a batch
+    sampler of its own after a ``+``), or None for what is not a ``DataLoader``.
+
+    A resume in the middle of an epoch replays its order under the saved random state; that
+    order is the saved run's only when the same kind of sampler draws it (``shuffle=True``
+    saved and ``shuffle=False`` now would skip some samples and read others twice).
+    """
+    if not isinstance(loader, DataLoader):
+        return None
+    kind = type(loader.sampler).__qualname__
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        kind += f"+{type(batch_sampler).__qualname__}"
+    return kind
+
+
 def order_differences(saved: dict[str, Any], mine: dict[str, Any]) -> str:
     """How the two configurations' ``global_order`` differ (``"seed: saved 0, now 1"``); "" when they do not,
     or when either has none to compare."""
+    saved_kind, kind = saved.get("sampler"), mine.get("sampler")
+    if saved_kind is not None and kind is not None and saved_kind != kind:
+        return f"sampler: saved {saved_kind}, now {kind}"
     order, saved_order = mine.get("global_order"), saved.get("global_order")
     if order is None or saved_order is None or saved_order == order:
         return ""
@@ -59,12 +79,16 @@ def resharded_position(saved: dict[str, Any], mine: dict[str, Any], position: in
 
     ``saved`` and ``mine`` are the step scheduler configurations (global and local batch
     size, data-parallel size, accumulation, ``global_order``). Raises ``ValueError`` saying
-    why when the saved position cannot be carried over.
+    why when the saved position cannot be carried over. At an epoch's start (``position`` 0)
+    nothing of the epoch was read, so any configuration starts it whole.
     """
+    if position == 0:
+        return 0
     if saved.get("global_batch_size") != mine["global_batch_size"]:
         raise ValueError(
             f"the global batch size differs (saved {saved.get('global_batch_size')}, now {mine['global_batch_size']}): "
-            "the steps would train on other samples (set the step scheduler's global_batch_size to the saved one)"
+            "the steps of the rest of this epoch would group its samples otherwise than the saved run's (set the "
+            "step scheduler's global_batch_size to the saved one, or change it at an epoch's start)"
         )
     order, saved_order = mine.get("global_order"), saved.get("global_order")
     if order is None or saved_order is None:

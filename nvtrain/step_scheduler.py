@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from nvtrain.data_cursor import check_rng_fits, is_one_shot, loader_generators
-from nvtrain.data_resharding import global_order, order_differences, resharded_position
+from nvtrain.data_resharding import global_order, order_differences, resharded_position, sampler_kind
 from nvtrain.epoch_reader import NO_ITEM, EpochReader, loader_len, loader_parts
 from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
 from nvtrain.validators import int_at_least, optional_int_at_least, refused, strict_bool
@@ -701,6 +701,7 @@ class StepScheduler:
             # the samples behind the loader: another data set of the same len(loader) shuffles to another order
             "dataset_len": loader_len(getattr(self.dataloader, "dataset", None)),
             "global_order": global_order(self.dataloader),
+            "sampler": sampler_kind(self.dataloader),
         }
 
     def _saved_position(self) -> tuple[int, int, dict[str, Any] | None]:
@@ -848,7 +849,9 @@ class StepScheduler:
                 f"({details}) and its data position cannot be carried over: {err}. Use the same global/local batch "
                 "size, data-parallel size and dataset, or restore without the data position"
             ) from None
-        if position and announce:
+        if announce and not position:
+            logger.info("StepScheduler: epoch %d starts with another batch configuration (%s)", int(state["epoch"]) + 1, details)
+        elif announce:
             logger.info(
                 "StepScheduler: continuing epoch %d at sample %d of its order (saved with %s ranks x %s samples, now "
                 "%s x %s): micro-batch %d here",

@@ -417,6 +417,7 @@ def test_state_dict_records_the_configuration_to_match() -> None:
         "loader_len": 4,
         "dataset_len": None,  # a plain list has no dataset behind it
         "global_order": None,  # a plain list: no DistributedSampler fixes a global sample order
+        "sampler": None,  # nor a sampler: a plain list is not a DataLoader
     }
 
 
@@ -448,13 +449,58 @@ def test_a_state_saved_before_the_data_set_length_was_recorded_still_loads() -> 
 
 
 def test_load_state_dict_refuses_another_configuration() -> None:
-    state = make(list(range(4)), global_batch_size=2).state_dict()
+    saving = make(list(range(8)), global_batch_size=2, max_steps=1)
+    drive(saving)
+    state = saving.state_dict()
+    assert state["position"] == 2  # in the middle of the epoch
     with pytest.raises(ValueError, match=r"global_batch_size: saved 2, now 4.*grad_acc_steps: saved 2, now 4"):
-        make(list(range(4)), global_batch_size=4).load_state_dict(state)
-    with pytest.raises(ValueError, match=r"loader_len: saved 4, now 5"):
-        make(list(range(5)), global_batch_size=2).load_state_dict(state)
+        make(list(range(8)), global_batch_size=4).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"loader_len: saved 8, now 9"):
+        make(list(range(9)), global_batch_size=2).load_state_dict(state)
     with pytest.raises(ValueError, match=r"the state lacks \['config'\]"):
         make(list(range(4))).load_state_dict({"step": 1, "epoch": 0, "position": 2})
+
+
+def test_another_batch_configuration_is_accepted_at_an_epoch_start(caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing of the next epoch was read: it starts whole, grouped by the new configuration."""
+    saving = make(list(range(8)), global_batch_size=2, max_steps=4, num_epochs=3)
+    drive(saving)
+    state = saving.state_dict()
+    assert (state["step"], state["epoch"], state["position"]) == (4, 1, 0)
+    resumed = make(list(range(8)), global_batch_size=4, num_epochs=3)
+    with caplog.at_level("INFO", logger="nvtrain"):
+        resumed.load_state_dict(state)
+    assert "epoch 2 starts with another batch configuration (global_batch_size: saved 2, now 4" in caplog.text
+    rows = drive(resumed)
+    assert [row["window"] for row in rows] == [[0, 1, 2, 3], [4, 5, 6, 7]] * 2
+    assert [row["step"] for row in rows] == [5, 6, 7, 8]
+
+
+def _sampled(shuffle: bool) -> DataLoader[Any]:
+    return DataLoader(TensorDataset(torch.arange(12)), batch_size=2, shuffle=shuffle)
+
+
+@pytest.mark.parametrize("saved_shuffle", [True, False])
+def test_another_sampler_is_refused_in_the_middle_of_an_epoch(saved_shuffle: bool) -> None:
+    """shuffle=True saved, False now (or the reverse): the replayed order is not the one the saved steps read."""
+    saving = make(_sampled(saved_shuffle), max_steps=2)
+    drive(saving)
+    state = saving.state_dict()
+    assert state["position"] == 2
+    saved_kind, kind = ("RandomSampler", "SequentialSampler")[:: 1 if saved_shuffle else -1]
+    with pytest.raises(ValueError, match=rf"sample order differs \(sampler: saved {saved_kind}, now {kind}\)"):
+        make(_sampled(not saved_shuffle)).load_state_dict(state)
+    make(_sampled(saved_shuffle)).load_state_dict(state)  # the same sampler: accepted
+
+
+def test_another_sampler_is_accepted_at_an_epoch_start() -> None:
+    saving = make(_sampled(True), max_steps=6)
+    drive(saving)
+    state = saving.state_dict()
+    assert (state["epoch"], state["position"]) == (1, 0)
+    resumed = make(_sampled(False), num_epochs=2)
+    resumed.load_state_dict(state)
+    assert [row["window"][0][0].tolist() for row in drive(resumed)] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
 
 
 def test_load_state_dict_refused_while_iterating() -> None:

@@ -739,16 +739,26 @@ def test_a_checkpoint_of_another_model_is_refused_clearly(driver: ModuleType, tm
 
 
 @pytest.mark.filterwarnings("ignore:hook GradientAccumulationHook .* has no state in the checkpoint")
-def test_a_checkpoint_with_another_batch_configuration_is_refused(driver: ModuleType, tmp_path: Path) -> None:
-    driver.straight("plain", [CheckpointHook(tmp_path)])
+@pytest.mark.parametrize(("step", "refused"), [(4, True), (9, False)], ids=["mid-epoch", "epoch-end"])
+def test_a_checkpoint_with_another_batch_configuration(
+    driver: ModuleType, tmp_path: Path, step: int, refused: bool
+) -> None:
+    """Refused in the middle of an epoch (its rest would be grouped otherwise); at an epoch's end the next
+    epoch starts whole under the new configuration."""
+    driver.straight("plain", [CheckpointHook(tmp_path, step_interval=4, epoch_interval=1)])
     kwargs = driver.strategy_kwargs("plain", [])
     kwargs["step_scheduler"] = StepSchedulerConfig(num_epochs=2, global_batch_size=8)
     from nvtrain.hooks.accumulation import GradientAccumulationHook
 
     kwargs["hooks"] = [GradientAccumulationHook(steps=2)]
-    strategy = nvtrain.TrainingStrategy.load_checkpoint(tmp_path / "step_9", **kwargs)
-    with pytest.raises(ValueError, match=r"different configuration"):
-        strategy.run(driver.make_loader("plain"))
+    strategy = nvtrain.TrainingStrategy.load_checkpoint(tmp_path / f"step_{step}", **kwargs)
+    if refused:
+        with pytest.raises(ValueError, match=r"different configuration"):
+            strategy.run(driver.make_loader("plain"))
+        return
+    with strategy:
+        result = strategy.run(driver.make_loader("plain"))
+    assert result.step_count == 9 + 5  # epoch 2's 36 samples in steps of 8 (the last one of 4)
 
 
 def test_the_mixed_precision_scaler_resumes(driver: ModuleType, tmp_path: Path) -> None:
