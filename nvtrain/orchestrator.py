@@ -187,7 +187,11 @@ class TrainingUpdateOrchestrator:
                 f"(got {type(original).__name__}); check loss_fn"
             )
         if not self._backward_hooks:  # nothing transforms the loss: back-propagate it as it is
-            original.backward()
+            try:
+                original.backward()
+            except RuntimeError as err:
+                _raise_for_unusable_loss(original, err)
+                raise
             ctx.backward_loss = original
             return original
         loss = original
@@ -204,7 +208,11 @@ class TrainingUpdateOrchestrator:
                         f"torch.Tensor as loss, got {type(loss).__name__}: {loss!r}"
                     )
                 ctx.loss = loss
-            loss.backward()
+            try:
+                loss.backward()
+            except RuntimeError as err:
+                _raise_for_unusable_loss(loss, err)
+                raise
         finally:
             ctx.loss = original
         ctx.backward_loss = loss
@@ -320,6 +328,21 @@ def _check_veto(hook: object, stage: TrainingStage, proceed: object, allowed: fr
             f"({sorted(s.name for s in getattr(hook, 'vetoes', None) or ())}) does not include it; "
             "declare every stage a hook may veto, so compositions are checked against it"
         )
+
+
+def _raise_for_unusable_loss(loss: torch.Tensor, err: RuntimeError) -> None:
+    """After ``loss.backward()`` failed: a loss the run cannot back-propagate is named in the training loop's
+    terms (torch's message does not name the loss function); any other failure is left to propagate."""
+    if loss.numel() != 1:
+        raise ValueError(
+            f"stage DO_BACKWARD: the loss must be a single value, got a tensor of shape {tuple(loss.shape)}; "
+            "check loss_fn (reduce per-sample losses with .mean() or reduction='mean')"
+        ) from err
+    if not loss.requires_grad:
+        raise ValueError(
+            "stage DO_BACKWARD: the loss does not require grad, so nothing can be back-propagated; check loss_fn "
+            "(a loss computed under torch.no_grad(), detached, or from a model with no trainable parameters)"
+        ) from err
 
 
 def _bad_result(hook: object, stage: TrainingStage, result: object) -> TypeError:

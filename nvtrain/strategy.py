@@ -32,6 +32,7 @@ from nvtrain.run_release import LiveData
 from nvtrain.stages import TrainingStage
 from nvtrain.step_scheduler import StepScheduler, StepSchedulerConfig
 from nvtrain.validation import (
+    SUMMARY_KEYS,
     ValidationConfig,
     ValidationLoop,
     averages_to_validate,
@@ -129,6 +130,11 @@ def _as_optimizers(value: Any) -> dict[str, OptimizerFactory]:
 def _as_hooks(value: Iterable[object]) -> tuple[object, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"TrainingStrategy.hooks must be a list of hooks (got {value!r}); pass [] for none")
+    if isinstance(value, Mapping):  # iterating it would register its keys
+        raise TypeError(
+            f"TrainingStrategy.hooks must be a list of hooks (got a {type(value).__name__} keyed "
+            f"{sorted(map(str, value))}); pass list(hooks.values())"
+        )
     return tuple(value)
 
 
@@ -144,9 +150,17 @@ def _as_device(value: Any) -> torch.device | None:
     if value is None:
         return None  # resolved in __attrs_post_init__: the distributed manager's device, else cuda/cpu
     try:
-        return torch.device(value)
+        device = torch.device(value)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"TrainingStrategy.device: {value!r} is not a torch device ({err})") from None
+    if device.type == "cuda":  # without touching CUDA: its context is made when the run starts
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count or (device.index is not None and device.index >= count):
+            raise ValueError(
+                f"TrainingStrategy.device: {str(device)!r} asks for CUDA, but {count} CUDA device(s) are visible "
+                "to this process" + ("" if count else " (torch.cuda.is_available() is False); use device='cpu'")
+            )
+    return device
 
 
 def _default_device(manager: Any) -> torch.device:
@@ -330,7 +344,7 @@ class TrainingStrategy:
         if self.validation is not None:  # which averages use_ema evaluates: refused now, not at the first validation
             averages_to_validate(self.registry.hooks(), self.validation)
         scheduler = self._build_scheduler(ctx.train_loader)
-        self._warn_unstepped_metric_schedules(scheduler)
+        self._check_metric_schedules(scheduler)
         self._warn_cadence_beyond_the_run(scheduler)
         ctx.scheduler = scheduler
         self._live_data.scheduler = scheduler
@@ -705,15 +719,9 @@ class TrainingStrategy:
             params = [p for p in ctx.models[name].parameters() if p.requires_grad]
             if not params:
                 raise ValueError(f"TrainingStrategy.optimizers[{name!r}]: model {name!r} has no trainable parameters")
-            optimizer = factory(params)
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(
-                    f"TrainingStrategy.optimizers[{name!r}] must build a torch.optim.Optimizer "
-                    f"(got {type(optimizer).__name__})"
-                )
-            ctx.optimizers[name] = optimizer
+            ctx.optimizers[name] = _checked_optimizer(name, factory(params), ctx.models[name])
         for name, schedule in self.lr_schedulers.items():
-            ctx.lr_schedulers[name] = schedule.factory(ctx.optimizers[name])
+            ctx.lr_schedulers[name] = _checked_lr_scheduler(name, schedule.factory(ctx.optimizers[name]), ctx.optimizers[name])
         self._schedules = plan_schedules(self.lr_schedulers, ctx.lr_schedulers)
         self.registry.bind(ctx.optimizers, self._per_step_schedulers())
         self._is_set_up = True
@@ -799,19 +807,41 @@ class TrainingStrategy:
                 ctx.batch, ctx.models = saved_batch, saved_models
         return outputs, targets, batch_size(batch)
 
-    def _warn_unstepped_metric_schedules(self, scheduler: StepScheduler) -> None:
-        """A metric-driven LR scheduler (a ReduceLROnPlateau) steps only after validations: a run configured to
-        never validate keeps its learning rate, unless a hook calls ``validate()`` itself; say so."""
+    def validation_keys(self) -> frozenset[str]:
+        """The keys of the summary this strategy's validation produces (``ctx.validation``): ``loss``,
+        ``num_samples`` and the configured metrics' names."""
+        metrics = self.validation.metrics if self.validation is not None else {}
+        return SUMMARY_KEYS | frozenset(metrics)
+
+    def why_run_never_validates(self, scheduler: StepScheduler | None = None) -> str | None:
+        """Why ``run()`` as configured never validates on its own (None when it does): no validation data, or no
+        cadence (read from ``scheduler``, by default the run's). A hook may still call ``validate()`` itself."""
+        scheduler = scheduler if scheduler is not None else self.ctx.scheduler
+        if not self._has_validation_data():
+            return "TrainingStrategy.validation has no data"
+        if self.validation is not None and scheduler is not None and (
+            self.validation.epoch_interval is None and not scheduler.val_every_steps and not scheduler.validate_on_checkpoint
+        ):
+            return "no validation cadence is set (ValidationConfig every_n_steps and every_n_epochs are None)"
+        return None
+
+    def _check_metric_schedules(self, scheduler: StepScheduler) -> None:
+        """A metric-driven LR scheduler (a ReduceLROnPlateau) steps with a key of the validation summary, before
+        any hook sees it: a key the summary never has is refused now, not at the first validation. A run that
+        never validates keeps its learning rate, unless a hook calls ``validate()`` itself: say so."""
         metric_driven = [plan for plan in self._schedules if plan.metric is not None]
         if not metric_driven:
             return
-        if not self._has_validation_data():
-            why = "TrainingStrategy.validation has no data"
-        elif self.validation is not None and (
-            self.validation.epoch_interval is None and not scheduler.val_every_steps and not scheduler.validate_on_checkpoint
-        ):
-            why = "no validation cadence is set (ValidationConfig every_n_steps and every_n_epochs are None)"
-        else:
+        keys = self.validation_keys()
+        for plan in metric_driven:
+            if plan.metric not in keys:
+                raise ValueError(
+                    f"TrainingStrategy.lr_schedulers[{plan.name!r}]: LRSchedule(monitor={plan.metric!r}) steps with "
+                    f"a key the validation summary does not have (its keys: {', '.join(sorted(keys))}); set monitor "
+                    "to one of them, or add the metric to ValidationConfig.metrics"
+                )
+        why = self.why_run_never_validates(scheduler)
+        if why is None:
             return
         plan = metric_driven[0]
         warnings.warn(
@@ -1106,7 +1136,48 @@ def _split_pair(batch: Any) -> tuple[Any, Any]:
 
 def _rank_and_world_size(manager: Any) -> tuple[int, int]:
     if manager is not None:
-        return int(manager.rank), int(manager.world_size)
+        try:
+            return int(manager.rank), int(manager.world_size)
+        except (AttributeError, TypeError, ValueError):
+            raise TypeError(
+                "TrainingStrategy.distributed_manager must be a DistributedManager, or an object with int rank and "
+                f"world_size (got {type(manager).__name__})"
+            ) from None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def _checked_optimizer(name: str, optimizer: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """``optimizers[name]``'s result, refused when it would train nothing of the model: a factory closing
+    over another model (or one rebuilt since) steps parameters the run never uses."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"TrainingStrategy.optimizers[{name!r}] must build a torch.optim.Optimizer (got {type(optimizer).__name__})"
+        )
+    mine = {id(p) for p in model.parameters()}
+    if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError(
+            f"TrainingStrategy.optimizers[{name!r}] built a {type(optimizer).__name__} over none of model {name!r}'s "
+            "parameters, so the run would not train it; build the optimizer over the parameters the factory is "
+            "given (they are the model's as SETUP left it, e.g. sharded or moved)"
+        )
+    return optimizer
+
+
+def _checked_lr_scheduler(name: str, scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """``lr_schedulers[name]``'s result, refused when stepping it would not set this optimizer's rate."""
+    if not callable(getattr(scheduler, "step", None)):
+        raise TypeError(
+            f"TrainingStrategy.lr_schedulers[{name!r}] must build a learning-rate scheduler with a step() method "
+            f"(got {type(scheduler).__name__})"
+        )
+    bound = getattr(scheduler, "optimizer", optimizer)
+    if bound is not optimizer:
+        raise ValueError(
+            f"TrainingStrategy.lr_schedulers[{name!r}] built a {type(scheduler).__name__} bound to another optimizer "
+            f"than optimizers[{name!r}]'s, so the run's learning rate would never change; build it over the "
+            "optimizer the factory is given"
+        )
+    return scheduler
+

@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -242,11 +243,17 @@ def test_reduce_lr_on_plateau_halves_a_stalled_learning_rate() -> None:
     assert lrs == pytest.approx([0.1, 0.05, 0.025])
 
 
-def test_a_metric_schedule_names_a_missing_metric() -> None:
+def test_a_metric_schedule_naming_a_missing_metric_is_refused_before_the_first_step() -> None:
     schedule = LRSchedule(functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau), monitor="accuracy")
     validation = nvtrain.ValidationConfig(data=data(2, seed=1))
-    with pytest.raises(KeyError, match=r"validation metric 'accuracy', which the validation summary lacks"):
-        make_strategy([], num_epochs=1, lr_schedulers=schedule, validation=validation).run(data(2))
+    strategy = make_strategy([], num_epochs=1, lr_schedulers=schedule, validation=validation)
+    with pytest.raises(
+        ValueError,
+        match=r"lr_schedulers\['main'\]: LRSchedule\(monitor='accuracy'\) steps with a key the validation summary "
+        r"does not have \(its keys: loss, num_samples\)",
+    ):
+        strategy.run(data(2))
+    assert strategy.ctx.step_count == 0
 
 
 def test_a_metric_schedule_with_an_epoch_interval_is_refused() -> None:
@@ -386,3 +393,47 @@ def test_the_default_checkpoint_waits_for_the_steps_validation(tmp_path: Path) -
     plateau_state = saved["lr_schedulers"]["main"]
     live = strategy.ctx.lr_schedulers["main"].state_dict()
     assert plateau_state["num_bad_epochs"] == live["num_bad_epochs"] and plateau_state["best"] == live["best"]
+
+
+# -- early stopping says at the start what would make it a no-op or fail ---------------------------
+
+
+def test_early_stopping_in_a_run_that_never_validates_warns_at_the_start() -> None:
+    from nvtrain.hooks import EarlyStoppingHook
+
+    with make_strategy([EarlyStoppingHook()], num_epochs=2) as strategy, pytest.warns(
+        RuntimeWarning, match=r"EarlyStoppingHook\(monitor='loss'\): the run is not set to validate \(TrainingStrategy"
+        r"\.validation has no data\), so it never stops the run"
+    ):
+        strategy.run(data(2))
+
+
+@pytest.mark.parametrize(("monitor", "warned"), [("val_los", True), ("accuracy", False), ("loss", False)])
+def test_early_stopping_on_a_key_the_summary_lacks_warns_at_the_start(monitor: str, warned: bool) -> None:
+    from nvtrain.hooks import EarlyStoppingHook
+
+    def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return (outputs.argmax(1) == targets.argmax(1)).float().mean()
+
+    validation = nvtrain.ValidationConfig(data=data(2, seed=1), metrics={"accuracy": accuracy})
+    seen: list[int] = []
+
+    class Steps:
+        @nvtrain.hookimpl
+        def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
+            seen.append(ctx.step_count)
+
+    with make_strategy([EarlyStoppingHook(monitor=monitor), Steps()], num_epochs=1, validation=validation) as strategy:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                strategy.run(data(2))
+            except KeyError:
+                assert warned  # the first validation: the summary has no such key
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    expected = (
+        "EarlyStoppingHook.monitor='val_los' is not a key of the validation summary (its keys: accuracy, loss, "
+        "num_samples); unless a hook adds it at AFTER_VALIDATION, the first validation raises"
+    )
+    assert any(expected in message for message in messages) == warned
+    assert seen  # a warning, not a refusal: the run trained

@@ -109,3 +109,106 @@ def test_request_stop_after_the_run_is_refused() -> None:
     strategy.run(_batches())
     with pytest.raises(RuntimeError, match=r"ctx\.request_stop\('late'\): no run is in progress"):
         strategy.ctx.request_stop("late")
+
+
+# -- what the factories build -------------------------------------------------------------------------
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused_at_setup() -> None:
+    """A factory closing over another (or a rebuilt) model would step parameters the run never uses."""
+    other = torch.nn.Linear(3, 2)
+    strategy = _strategy(optimizers=lambda params: torch.optim.SGD(other.parameters(), lr=0.1), max_steps=2)
+    with pytest.raises(ValueError, match=r"optimizers\['main'\] built a SGD over none of model 'main''s parameters"):
+        strategy.run(_batches())
+    assert strategy.ctx.step_count == 0
+
+
+def test_an_optimizer_over_part_of_the_model_trains_that_part() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    first = model[0].weight.detach().clone()
+    strategy = _strategy(models=model, optimizers=lambda params: torch.optim.SGD(model[1].parameters(), lr=0.1))
+    strategy.run(_batches())
+    assert torch.equal(model[0].weight, first)
+
+
+@pytest.mark.parametrize(
+    ("factory", "error", "message"),
+    [
+        (
+            lambda optimizer: torch.optim.lr_scheduler.StepLR(
+                torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1), 1
+            ),
+            ValueError,
+            r"lr_schedulers\['main'\] built a StepLR bound to another optimizer than optimizers\['main'\]'s",
+        ),
+        (lambda optimizer: None, TypeError, r"lr_schedulers\['main'\] must build a learning-rate scheduler .*NoneType"),
+    ],
+    ids=["another-optimizer", "none"],
+)
+def test_an_lr_scheduler_that_would_not_set_the_rate_is_refused_at_setup(
+    factory: Any, error: type[Exception], message: str
+) -> None:
+    strategy = _strategy(lr_schedulers=factory, max_steps=2)
+    with pytest.raises(error, match=message):
+        strategy.run(_batches())
+    assert strategy.ctx.step_count == 0
+
+
+# -- constructor arguments ----------------------------------------------------------------------------
+
+
+def test_hooks_given_as_a_mapping_are_refused() -> None:
+    """Iterating a dict gives its keys: the hooks would be the names."""
+    with pytest.raises(TypeError, match=r"hooks must be a list of hooks \(got a dict keyed \['clip'\]\); pass list"):
+        _strategy(hooks={"clip": nvtrain.hooks.GradientClippingHook(max_norm=1.0)})
+
+
+def test_a_distributed_manager_without_rank_and_world_size_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"distributed_manager must be a DistributedManager, .*\(got object\)"):
+        _strategy(distributed_manager=object())
+
+
+@pytest.mark.parametrize(("device", "count"), [("cuda", 0), ("cuda:0", 0), ("cuda:2", 2)])
+def test_a_cuda_device_this_process_lacks_is_refused_at_construction(
+    monkeypatch: pytest.MonkeyPatch, device: str, count: int
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    with pytest.raises(ValueError, match=rf"device: '{device}' asks for CUDA, but {count} CUDA device\(s\) are visible"):
+        nvtrain.TrainingStrategy(
+            models=torch.nn.Linear(3, 2), optimizers=torch.optim.SGD, loss_fn=torch.nn.functional.mse_loss, device=device
+        )
+
+
+# -- the loss ------------------------------------------------------------------------------------------
+
+
+def _per_sample_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return ((outputs - targets) ** 2).mean(dim=1)
+
+
+def _detached_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(outputs, targets).detach()
+
+
+@pytest.mark.parametrize("transformed", [False, True], ids=["as-returned", "through-a-loss-hook"])
+@pytest.mark.parametrize(
+    ("loss_fn", "message"),
+    [
+        (_per_sample_loss, r"the loss must be a single value, got a tensor of shape \(2,\); check loss_fn"),
+        (_detached_loss, r"the loss does not require grad, so nothing can be back-propagated; check loss_fn"),
+    ],
+    ids=["per-sample", "detached"],
+)
+def test_a_loss_that_cannot_be_back_propagated_names_loss_fn(loss_fn: Any, message: str, transformed: bool) -> None:
+    hooks = [nvtrain.hooks.GradientAccumulationHook(steps=2)] if transformed else []
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(3, 2),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=loss_fn,
+        hooks=hooks,
+        device="cpu",
+    )
+    with pytest.raises(ValueError, match=rf"stage DO_BACKWARD: {message}") as caught:
+        strategy.run(_batches())
+    assert isinstance(caught.value.__cause__, RuntimeError)  # torch's own message stays in the chain

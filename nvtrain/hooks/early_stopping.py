@@ -78,6 +78,33 @@ class EarlyStoppingHook:
     wait: int = attrs.field(init=False, default=0)
 
     @hookimpl
+    def before_training(self, ctx: TrainingContext) -> None:
+        """Say now what would make the hook a no-op or fail at the first validation: a run that never validates,
+        a monitored key its validation summary lacks (unless a hook adds it at AFTER_VALIDATION)."""
+        strategy = getattr(ctx, "strategy", None)
+        if strategy is None:
+            return
+        name = type(self).__name__
+        why = strategy.why_run_never_validates()
+        if why is not None:
+            warnings.warn(
+                f"{name}(monitor={self.monitor!r}): the run is not set to validate ({why}), so it never stops the run "
+                "unless a hook calls validate() during it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        keys = strategy.validation_keys()
+        if self.monitor not in keys:
+            warnings.warn(
+                f"{name}.monitor={self.monitor!r} is not a key of the validation summary (its keys: "
+                f"{', '.join(sorted(keys))}); unless a hook adds it at AFTER_VALIDATION, the first validation "
+                "raises. Set monitor to one of them, or add the metric to ValidationConfig.metrics",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    @hookimpl
     def after_validation(self, ctx: TrainingContext) -> None:
         value = self._read(ctx.validation)
         agree = getattr(getattr(ctx, "strategy", None), "mean_over_ranks", None)
