@@ -447,7 +447,7 @@ class TrainingStrategy:
         """The epoch's end work, each part once: what a failure left is what the next ``run()`` does."""
         ctx, bus = self.ctx, self.registry.bus
         if end.evaluate:
-            self._evaluate_in_run()
+            self._evaluate_on_forked_streams()
             end.evaluate, end.announce = False, True
         if end.announce:
             self._after_validation()
@@ -759,7 +759,7 @@ class TrainingStrategy:
         ctx = self.ctx
         stage = ctx.stage
         try:
-            summary = self._evaluate(loader)
+            summary = self._evaluate_on_forked_streams(loader)
             self._after_validation()
         finally:
             ctx.stage = stage
@@ -934,12 +934,16 @@ class TrainingStrategy:
         AFTER_VALIDATION fires once those streams are back: a checkpoint saved there holds
         the training RNG state, not the one the validation loader's iterator advanced.
         """
-        self._evaluate_in_run()
+        self._evaluate_on_forked_streams()
         self._after_validation()
         self.ctx.validation_follows = False
 
-    def _evaluate_in_run(self) -> None:
-        """The validation summary, computed on forked RNG streams (also restored when it raises)."""
+    def _evaluate_on_forked_streams(self, loader: Iterable[Any] | None = None) -> dict[str, Any]:
+        """The validation summary (see :meth:`_evaluate`), computed on forked RNG streams, restored also when it
+        raises: whether and where a validation runs never changes the training's data order, augmentations or
+        dropout masks (a validation loader draws its base seed from the global generator). SETUP, when this is
+        the strategy's first call, runs before the fork: what it draws stays drawn, as when run() sets up."""
+        self.setup()
         device = self.device
         devices = []
         if device.type == "cuda":
@@ -947,7 +951,7 @@ class TrainingStrategy:
         host = capture_host_rng()  # a validation set that augments with numpy or random must not move them either
         try:
             with torch.random.fork_rng(devices=devices):
-                self._evaluate(None)
+                return self._evaluate(loader)
         finally:  # also when the validation raised: a later run() trains on the streams it left
             apply_host_rng(host)
 
