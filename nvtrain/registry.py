@@ -275,8 +275,12 @@ class HookRegistry:
 
         A failure is never dropped: with ``pending`` (the exception already on its way out)
         failures become notes on it; without, the first is raised with the others as notes.
+        A KeyboardInterrupt or SystemExit in one hook's ``close()`` (Ctrl-C while a checkpoint
+        write is awaited) still lets the others close (a profiler left recording would grow for the
+        rest of the process), then goes on, with the failures as notes.
         """
         errors: list[BaseException] = []
+        interrupted: BaseException | None = None
         for hook in reversed(self._registered()):
             close = getattr(hook, "close", None)
             if callable(close):
@@ -284,7 +288,14 @@ class HookRegistry:
                     close()
                 except Exception as err:  # collected and re-raised below, never dropped
                     errors.append(err)
+                except BaseException as err:  # re-raised once every hook had its close()
+                    if interrupted is None:
+                        interrupted = err
         self.bus.close()
+        if interrupted is not None:
+            for failure in errors:
+                interrupted.add_note(f"while closing hooks, {type(failure).__name__}: {failure}")
+            raise interrupted
         if not errors:
             return
         if pending is not None:

@@ -160,6 +160,36 @@ def test_close_with_a_pending_error_adds_notes_instead_of_raising() -> None:
     assert pending.__notes__ == ["while closing hooks, RuntimeError: close failed"]
 
 
+@pytest.mark.parametrize("pending", [None, ValueError("the run failed")], ids=["no-pending", "pending"])
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_while_closing_one_hook_still_closes_the_others(
+    interruption: type[BaseException], pending: BaseException | None
+) -> None:
+    """Ctrl-C while one hook's close() waits (a checkpoint write): the hooks after it in closing order still
+    close, then the interrupt goes on, with the other failures as notes."""
+    log: list[str] = []
+
+    class Interrupted(Observer):
+        def close(self) -> None:
+            log.append(f"close {self.plugin_name}")
+            raise interruption()
+
+    class Failing(Observer):
+        def close(self) -> None:
+            log.append(f"close {self.plugin_name}")
+            raise RuntimeError(f"{self.plugin_name} failed")
+
+    class Closes(Observer):
+        def close(self) -> None:
+            log.append(f"close {self.plugin_name}")
+
+    registry = HookRegistry([Closes(log, "a"), Failing(log, "b"), Interrupted(log, "c")])
+    with pytest.raises(interruption) as caught:
+        registry.close(pending)
+    assert log == ["close c", "close b", "close a"]
+    assert caught.value.__notes__ == ["while closing hooks, RuntimeError: b failed"]
+
+
 # -- no module reaches into another module's private names ---------------------------------------------
 
 
