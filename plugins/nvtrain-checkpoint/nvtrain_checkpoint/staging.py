@@ -18,6 +18,7 @@ import itertools
 import mmap
 import os
 import sys
+import weakref
 from collections import OrderedDict
 from typing import Any, final
 
@@ -65,7 +66,7 @@ class TensorSpec:
 class SharedArena:
     """A block of anonymous shared memory (``memfd``) mapped here; the writer maps the same file."""
 
-    __slots__ = ("base", "buffer", "capacity", "fd", "identity", "pinned")
+    __slots__ = ("__weakref__", "_release", "base", "buffer", "capacity", "fd", "identity", "pinned")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -79,6 +80,9 @@ class SharedArena:
             raise
         self.base = torch.frombuffer(self.buffer, dtype=torch.uint8)
         self.pinned = False
+        # An arena whose owner was never closed (a strategy used without ``with``) still gives its state-sized
+        # block back when it is collected: the open file descriptor alone keeps the memory allocated.
+        self._release = weakref.finalize(self, _close_arena, self.fd, None)
 
     def pin(self) -> None:
         """Page-lock the arena for CUDA, so device-to-host copies into it run asynchronously.
@@ -96,6 +100,8 @@ class SharedArena:
                 "limit (ulimit -l) or set async_writer='thread'"
             )
         self.pinned = True
+        self._release.detach()
+        self._release = weakref.finalize(self, _close_arena, self.fd, self.base.data_ptr())
 
     def view(self, spec: TensorSpec) -> torch.Tensor:
         """The arena's bytes at ``spec`` seen as the tensor it describes (here: a copy destination)."""
@@ -104,12 +110,16 @@ class SharedArena:
 
     def release(self) -> None:
         """Unpin and close the file; the mapping goes when the last tensor over it does."""
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
-            self.pinned = False
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._release()  # once: later calls, and the collection, do nothing
+        self.pinned = False
+        self.fd = -1
+
+
+def _close_arena(fd: int, pinned_at: int | None) -> None:
+    """Unpin (when page-locked at ``pinned_at``) and close an arena's file; runs before its mapping goes."""
+    if pinned_at is not None:
+        torch.cuda.cudart().cudaHostUnregister(pinned_at)
+    os.close(fd)
 
 
 @attrs.frozen

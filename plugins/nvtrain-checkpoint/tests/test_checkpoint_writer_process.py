@@ -344,3 +344,45 @@ def test_a_module_in_the_working_directory_does_not_shadow_the_writers_imports(
     finally:
         writer.close()
     assert [info.step for info in list_checkpoints(tmp_path / "checkpoints")] == [1]
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def test_an_arena_never_released_gives_its_memory_back_when_collected() -> None:
+    """A hook never closed (a strategy used without ``with``) must not keep a state-sized block to process exit:
+    the arena's file descriptor alone would keep the memory allocated."""
+    import gc
+
+    from nvtrain_checkpoint.staging import SharedArena
+
+    arena = SharedArena(GRANULE)
+    fd = arena.fd
+    assert _is_open(fd)
+    del arena
+    gc.collect()
+    assert not _is_open(fd)
+
+
+def test_a_released_arena_is_closed_once() -> None:
+    import gc
+
+    from nvtrain_checkpoint.staging import SharedArena
+
+    arena = SharedArena(GRANULE)
+    fd = arena.fd
+    arena.release()
+    assert not _is_open(fd) and arena.fd == -1
+    reused = os.open(os.devnull, os.O_RDONLY)  # may take the same number: a second close would close it
+    try:
+        arena.release()
+        del arena
+        gc.collect()
+        assert _is_open(reused)
+    finally:
+        os.close(reused)
