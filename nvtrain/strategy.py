@@ -360,6 +360,8 @@ class TrainingStrategy:
                 ctx.stage = _BEFORE_TRAINING
                 bus.before_training(ctx)
                 self._follow_scheduler(scheduler)
+                if scheduler.training_done and not scheduler.validation_owed and self._unfinished_epoch_end is None:
+                    warnings.warn(_nothing_to_train(scheduler), RuntimeWarning, stacklevel=2)
                 self._finish_interrupted_epoch_end(scheduler)
                 if scheduler.validation_owed:
                     self._validate_owed(scheduler)
@@ -1136,6 +1138,20 @@ def _split_pair(batch: Any) -> tuple[Any, Any]:
         f"the default forward expects batches of (inputs, targets), got {type(batch).__name__}; "
         "pass TrainingStrategy(forward_fn=...) for other batch shapes"
     )
+
+
+def _nothing_to_train(scheduler: StepScheduler) -> str:
+    """What says a run() has nothing to train, naming the bound that ends it (the run stops at whichever of
+    ``max_steps`` and ``num_epochs`` comes first: raising the other changes nothing)."""
+    where = f"TrainingStrategy.run(): nothing to train, the run is already at step {scheduler.step}"
+    if scheduler.max_steps is not None and scheduler.step >= scheduler.max_steps:
+        return f"{where}, where max_steps={scheduler.max_steps} ends it; raise max_steps to train on"
+    if scheduler.epoch_limit is not None and scheduler.epoch >= scheduler.epoch_limit:
+        return (
+            f"{where} (epoch {scheduler.epoch}), where num_epochs={scheduler.epoch_limit} ends it; raise num_epochs "
+            "to train on (the run stops at whichever of max_steps and num_epochs comes first)"
+        )
+    return f"{where}: its data stream ended"
 
 
 def _rank_and_world_size(manager: Any) -> tuple[int, int]:

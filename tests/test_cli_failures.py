@@ -686,7 +686,20 @@ def test_max_steps_at_the_checkpoint_trains_nothing_and_touches_nothing(
     assert main(["train", str(job), *sets(*CHECKPOINTED, "trainer.max_steps=3")]) == EXIT_OK
     out = capsys.readouterr().out
     assert "already at step 4" in out and "nothing to train" in out
+    assert "(trainer.max_steps=3 ends the run at step 3: raise it)" in out
     assert snapshot_files(run) == before
+
+
+def test_nothing_to_train_names_the_bound_that_ends_the_run(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The run stops at whichever of max_steps and num_epochs comes first: raising max_steps past an epoch
+    bound trains nothing, and the line says to raise num_epochs instead."""
+    epoch = sets(*CHECKPOINTED, "trainer.max_steps=null", "trainer.num_epochs=1", "data.kwargs.batch_size=256")
+    assert main(["train", str(job), *epoch]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["train", str(job), *epoch, "--set", "trainer.max_steps=400"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "nothing to train (trainer.num_epochs=1 ends the run at step 6, before trainer.max_steps=400: raise " \
+        "trainer.num_epochs)" in out
 
 
 def test_config_yaml_records_only_what_is_in_effect(job: Path) -> None:

@@ -437,3 +437,27 @@ def test_early_stopping_on_a_key_the_summary_lacks_warns_at_the_start(monitor: s
     )
     assert any(expected in message for message in messages) == warned
     assert seen  # a warning, not a refusal: the run trained
+
+
+# -- a run with nothing left to train says which bound ends it --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bounds", "message"),
+    [
+        ({"num_epochs": 1}, r"already at step 2 \(epoch 1\), where num_epochs=1 ends it; raise num_epochs"),
+        ({"max_steps": 2, "num_epochs": 5}, r"already at step 2, where max_steps=2 ends it; raise max_steps"),
+    ],
+    ids=["epochs", "max-steps"],
+)
+def test_a_run_with_nothing_left_to_train_names_the_bound(bounds: dict[str, int], message: str) -> None:
+    with make_strategy([], **bounds) as strategy:
+        strategy.run(data(2))
+        with pytest.warns(RuntimeWarning, match=rf"run\(\): nothing to train, the run is {message}"):
+            assert strategy.run(data(2)).step_count == 2
+
+
+def test_a_run_that_trains_gives_no_nothing_to_train_warning() -> None:
+    with make_strategy([], num_epochs=1) as strategy, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert strategy.run(data(2)).step_count == 2

@@ -74,7 +74,7 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
             if rank == 0:
                 print(
                     f"run {plan.run_dir} | already at step {built.resume_step} ({built.resume_from}), nothing to "
-                    f"train (the run ends at step {built.run_length}: raise trainer.max_steps or num_epochs)",
+                    f"train ({_what_ends_the_run(config, built.run_length)})",
                     file=out,
                     flush=True,
                 )
@@ -257,3 +257,20 @@ def _finish(
     elif result.stop_reason is not None:
         summary.append(f"stopped early: {result.stop_reason}")
     print(" | ".join(summary), file=out, flush=True)
+
+
+def _what_ends_the_run(config: Any, run_length: int) -> str:
+    """Which bound ends the run at ``run_length``: the run stops at whichever of ``max_steps`` and
+    ``num_epochs`` comes first, so raising the other one changes nothing."""
+    trainer = config.trainer
+    if trainer.max_steps is not None and trainer.max_steps <= run_length:
+        return f"trainer.max_steps={trainer.max_steps} ends the run at step {run_length}: raise it"
+    if trainer.num_epochs is None:
+        return f"one epoch (trainer.num_epochs and max_steps unset) ends the run at step {run_length}: set either"
+    if trainer.max_steps is None:
+        return f"trainer.num_epochs={trainer.num_epochs} ends the run at step {run_length}: raise it"
+    return (
+        f"trainer.num_epochs={trainer.num_epochs} ends the run at step {run_length}, before "
+        f"trainer.max_steps={trainer.max_steps}: raise trainer.num_epochs"
+    )
+
