@@ -178,6 +178,25 @@ class EpochReader:
         self.pending = peeked
         return peeked is NO_ITEM
 
+    def yields_past_its_length(self) -> bool:
+        """At a sized epoch's end, whether the live iterator yields one more micro-batch: the loader's ``len()``
+        is below what it yields, and the rest of every epoch goes untrained. One ``next()`` per epoch, on
+        an iterator the epoch is done with. Not asked of a one-shot iterator (the next epoch goes on from
+        there) nor of a StatefulDataLoader (its saved state would count the extra read)."""
+        iterator = self.iterator
+        if iterator is None or self.items is None or self.pulled < self.items or self.stateful:
+            return False
+        if self.pending is not NO_ITEM:
+            return True
+        if is_one_shot(self.loader):
+            return False
+        generators = list(loader_generators(self.loader).values())
+        streams = capture_rng(generators)
+        try:  # a sampler draws even when it ends (a RandomSampler's last randperm): the next epoch must not see it
+            return next(iterator, NO_ITEM) is not NO_ITEM
+        finally:
+            restore_rng(streams, generators)
+
     def untouched(self) -> bool:
         """Whether the live iterator has yielded just what this reader took: a DataLoader iterator counts
         what it yields, and one with persistent workers is reset by anybody's ``iter(loader)``."""

@@ -230,6 +230,7 @@ class StepScheduler:
         self._window_is_last = False
         self._open = False
         self._iterating = False
+        self._warned_short_len = False  # a loader yielding past its len(): said once per scheduler
         self._epoch_done = False  # the closed window ended the epoch; __iter__ advances ``epoch``
         self._boundary: _Boundary | None = None
         self._in_scope = False  # inside ``with scheduler:`` (signals caught for the whole run)
@@ -497,6 +498,16 @@ class StepScheduler:
         return self._watcher.stop_reason
 
     def _advance_epoch(self) -> None:
+        if not self._warned_short_len and self._reader.yields_past_its_length():
+            self._warned_short_len = True
+            warnings.warn(
+                f"StepScheduler: the dataloader reported len() == {self._reader.items} but yields more: epoch "
+                f"{self.epoch + 1} ended after its {self._reader.items} micro-batches, and what it yields after them "
+                "is never trained (each epoch reads len(loader) micro-batches); fix the loader's __len__, or give a "
+                "loader without one",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         self.epoch += 1
         self._position = 0
         self._epoch_done = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -645,3 +646,64 @@ def test_ranks_may_read_data_sets_of_their_own_length() -> None:
     only one process checks the length (a DistributedSampler's is in ``global_order``)."""
     saved = StepScheduler(4, 2, 2, _shuffled(10), preemption_signal=None).state_dict()
     StepScheduler(4, 2, 2, _shuffled(9), preemption_signal=None).load_state_dict(saved)
+
+
+# -- a loader whose len() is below what it yields ----------------------------------------------------
+
+
+class Understated:
+    """Re-iterable, yielding ``items`` but claiming ``claimed`` in ``len()`` (an estimated stream length)."""
+
+    def __init__(self, items: int, claimed: int) -> None:
+        self.items, self.claimed = items, claimed
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.items))
+
+    def __len__(self) -> int:
+        return self.claimed
+
+
+def test_a_loader_yielding_past_its_len_is_said_once() -> None:
+    """Each epoch reads len() micro-batches; the rest would go untrained, silently."""
+    scheduler = make(Understated(6, 4), num_epochs=3)
+    with pytest.warns(RuntimeWarning, match=r"reported len\(\) == 4 but yields more: epoch 1 ended after its 4") as caught:
+        rows = drive(scheduler)
+    assert [row["window"] for row in rows] == [[0], [1], [2], [3]] * 3
+    assert len([w for w in caught if "yields more" in str(w.message)]) == 1
+
+
+@pytest.mark.filterwarnings("ignore:Length of IterableDataset")  # torch's own, once the extra item is read
+def test_a_data_loader_over_a_stream_with_a_low_len_is_said() -> None:
+    class Stream(torch.utils.data.IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(6))
+
+        def __len__(self) -> int:
+            return 4
+
+    with pytest.warns(RuntimeWarning, match=r"reported len\(\) == 4 but yields more"):
+        drive(make(DataLoader(Stream(), batch_size=None), num_epochs=1))
+
+
+def test_an_exact_len_or_a_one_shot_iterator_is_not_read_past() -> None:
+    """A one-shot iterator's next epoch goes on from where the last stopped: reading one more would lose it."""
+
+    class OneShot:
+        def __init__(self) -> None:
+            self.next_item = 0
+
+        def __iter__(self) -> OneShot:
+            return self
+
+        def __next__(self) -> int:
+            self.next_item += 1
+            return self.next_item - 1
+
+        def __len__(self) -> int:
+            return 3
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [row["window"] for row in drive(make(OneShot(), num_epochs=2))] == [[0], [1], [2], [3], [4], [5]]
+        assert len(drive(make(Understated(4, 4), num_epochs=2))) == 8
