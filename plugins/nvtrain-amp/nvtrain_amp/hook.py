@@ -29,6 +29,9 @@ from nvtrain_amp.precision import (
 
 __all__ = ["MixedPrecisionHook"]
 
+#: What DTensor says of the one-element tensor the sharded scaler's inf check hands it (see create_sharded_scaler).
+_REPLICATED_SCALAR_WARNING = "Found a non-scalar tensor with numel=1 and ndim!=0"
+
 
 def _fits_int64(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
     """GradScaler keeps the growth interval in a 64-bit integer; a larger one fails at its first update."""
@@ -190,10 +193,17 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         skips the same steps. Override to substitute another (a ``torch.amp.GradScaler`` subclass)."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        # Its inf check hands a plain one-element tensor to an op over DTensor gradients; DTensor warns that
-        # it treats it as replicated, which is what the scaler means (it all-reduces the result itself).
-        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1 and ndim!=0")
-        return ShardedGradScaler(device_type, process_group=process_group, **self._scaler_settings())
+        class QuietShardedGradScaler(ShardedGradScaler):
+            """Its inf check hands a plain one-element tensor to an op over DTensor gradients; DTensor warns that
+            it treats it as replicated, which is what the scaler means (it all-reduces the result itself). The
+            warning is silenced there alone, not for the rest of the process."""
+
+            def _unscale_grads_(self, *args: Any, **kwargs: Any) -> Any:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=_REPLICATED_SCALAR_WARNING)
+                    return super()._unscale_grads_(*args, **kwargs)
+
+        return QuietShardedGradScaler(device_type, process_group=process_group, **self._scaler_settings())
 
     def _scaler_settings(self) -> dict[str, Any]:
         return {

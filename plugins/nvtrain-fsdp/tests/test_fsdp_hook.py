@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import subprocess
 import sys
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -214,10 +215,16 @@ def test_amp_fp16_under_fsdp_scales_with_a_sharded_scaler() -> None:
 
     amp = MixedPrecisionHook(precision="fp16")
     fsdp = FSDPHook()
-    with make_strategy(fsdp, hooks=[amp]) as strategy:
+    filters = list(warnings.filters)
+    with make_strategy(fsdp, hooks=[amp]) as strategy, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        filters_inside = list(warnings.filters)
         strategy.run(make_loader())
         assert isinstance(amp.scaler, ShardedGradScaler)
         assert fsdp.mesh is not None and amp.scaler.process_group is fsdp.mesh.get_group()
+        assert warnings.filters == filters_inside  # the scaler's own warning is silenced where it is raised alone
+    assert not [w for w in caught if "non-scalar tensor with numel=1" in str(w.message)]
+    assert warnings.filters == filters
 
 
 def test_amp_fp16_beside_an_inactive_fsdp_hook_keeps_the_plain_scaler() -> None:
