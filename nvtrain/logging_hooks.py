@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
 import shutil
 import sys
 from collections.abc import Mapping
@@ -33,12 +34,30 @@ from nvtrain.atomic_files import replaced_atomically
 from nvtrain.errors import naming_file
 from nvtrain.hookspecs import hookimpl
 from nvtrain.step_log import StepLogReader
-from nvtrain.validators import int_at_least, optional_int_at_least, optional_non_empty_str, satisfies
+from nvtrain.validators import (
+    FieldTypeError,
+    as_path,
+    blocking_file,
+    int_at_least,
+    optional_bool,
+    optional_int_at_least,
+    optional_non_empty_str,
+    refused,
+    satisfies,
+    strict_int,
+)
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
 
-__all__ = ["CSVLoggerHook", "ProgressBarHook", "StepLogReader", "TensorBoardHook", "estimate_total_steps"]
+__all__ = [
+    "CSVLoggerHook",
+    "LogFolderError",
+    "ProgressBarHook",
+    "StepLogReader",
+    "TensorBoardHook",
+    "estimate_total_steps",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +78,88 @@ CSV_COLUMNS: tuple[str, ...] = (
 #: Observers run after the default-priority hooks at the same stage.
 LOGGING_PRIORITY = 90
 
-#: ProgressBarHook.refresh_interval: seconds between redraws.
+#: ProgressBarHook.refresh_interval: seconds between redraws (NaN or infinity would never redraw).
 _seconds_above_zero = satisfies(
-    "a number of seconds > 0", lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and not v <= 0
+    "a finite number of seconds > 0",
+    lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0,
 )
+
+#: ProgressBarHook.stream: the lines are printed to it (flushed) and tqdm draws on it.
+_text_stream = satisfies(
+    "a text stream with write() and flush() (sys.stderr, an open file, io.StringIO)",
+    lambda v: callable(getattr(v, "write", None)) and callable(getattr(v, "flush", None)),
+    or_none=True,
+    error=FieldTypeError,
+)
+
+
+def _output_path(value: Any, owner: str, field: str) -> Path:
+    """``Path(value)`` refusing what is no path, and "" (``Path("")`` is the working directory)."""
+    path = as_path(value, owner, field)
+    if not os.fspath(value):
+        raise refused(owner, field, value, "a non-empty path")
+    return path
+
+
+def _csv_path(value: Any) -> Path:
+    return _output_path(value, "CSVLoggerHook", "path")
+
+
+def _log_dir_path(value: Any) -> Path:
+    return _output_path(value, "TensorBoardHook", "log_dir")
+
+
+def _csv_file_path(instance: Any, attribute: attrs.Attribute[Any], value: Path) -> None:
+    """Refused when built, not at the first logging step (an IsADirectoryError or FileExistsError then)."""
+    if value.is_dir():
+        got = f"'{value}', a directory"
+    elif (blocking := blocking_file(value.parent)) is not None:
+        got = f"'{value}': '{blocking}' is a file"
+    else:
+        return
+    owner, expected = type(instance).__name__, "a CSV file path, neither an existing directory nor under a file"
+    message = f"{owner}.{attribute.name} must be {expected} (got {got})"
+    raise refused(owner, attribute.name, value, expected, message=message)
+
+
+def _folder_path(instance: Any, attribute: attrs.Attribute[Any], value: Path) -> None:
+    """Refused when built, not at the first logging step (a FileExistsError then)."""
+    blocking = blocking_file(value)
+    if blocking is None:
+        return
+    owner, expected = type(instance).__name__, "a folder path, neither an existing file nor under one"
+    got = f"'{value}', a file" if blocking == value else f"'{value}': '{blocking}' is a file"
+    message = f"{owner}.{attribute.name} must be {expected} (got {got})"
+    raise refused(owner, attribute.name, value, expected, message=message)
+
+
+class LogFolderError(OSError):
+    """The folder a logger writes in cannot be created when its run starts; ``str()`` names the setting.
+
+    The OS error's ``errno``, ``strerror`` and ``filename`` are kept, so it is handled as that error
+    (``nvtrain train`` reports a run directory that cannot be made as a config error).
+    """
+
+    def __init__(self, setting: str, folder: Path, err: OSError) -> None:
+        super().__init__(err.errno, err.strerror, err.filename if err.filename is not None else str(folder))
+        #: ``CSVLoggerHook.path``, ``TensorBoardHook.log_dir``.
+        self.setting = setting
+        #: The folder the logger writes in (``filename`` is where creating it failed: it or a folder above).
+        self.folder = folder
+
+    def __str__(self) -> str:
+        reason = self.strerror or "OSError"
+        failed = os.fsdecode(self.filename)
+        at = "" if Path(failed) == self.folder else f" at {failed!r}"
+        return f"{self.setting}: the folder {str(self.folder)!r} cannot be created ({reason}{at})"
+
+
+def _make_log_folder(folder: Path, setting: str) -> None:
+    """Create the folder a logger writes in before the run's first step, not at its first logging step."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise LogFolderError(setting, folder, err) from err
 
 
 def estimate_total_steps(ctx: TrainingContext) -> int | None:
@@ -180,13 +277,13 @@ class ProgressBarHook(_RunEndOutput):
 
     log_every_n_steps: int = attrs.field(default=10, validator=int_at_least(1))
     refresh_interval: float = attrs.field(default=0.5, validator=_seconds_above_zero)
-    #: Where to draw; default ``sys.stderr`` at the time the run starts.
-    stream: TextIO | None = None
+    #: Where to draw (an object with ``write`` and ``flush``); default ``sys.stderr`` at the time the run starts.
+    stream: TextIO | None = attrs.field(default=None, validator=_text_stream)
     #: Force the bar (True) or log lines (False); None: a bar only on a terminal.
-    use_bar: bool | None = None
+    use_bar: bool | None = attrs.field(default=None, validator=optional_bool)
     #: Width of the bar in columns; None follows the terminal (resizes included).
-    ncols: int | None = None
-    priority: int = LOGGING_PRIORITY
+    ncols: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    priority: int = attrs.field(default=LOGGING_PRIORITY, validator=strict_int)
     #: Tells two bars apart in a checkpoint (their smoothing state); None for the only one.
     state_key: str | None = attrs.field(default=None, validator=optional_non_empty_str())
 
@@ -416,6 +513,7 @@ class _StepRecordLogger(_RunEndOutput):
         """At the run's first epoch, or a validation before it (one a preemption left owed): a resume has
         been applied by then, so the start step is known."""
         if self._active and self._start_step is None:
+            _make_log_folder(*self._output_folder())
             continues = self._reader.begin(ctx)
             self._start_step = ctx.step_count if continues else 0  # a fresh run replaces what the folder holds
 
@@ -440,6 +538,10 @@ class _StepRecordLogger(_RunEndOutput):
     def _end_output(self) -> None:
         self._trim = False  # the run is over: a later validate() appends
         self._release()
+
+    def _output_folder(self) -> tuple[Path, str]:
+        """The folder the records go to, and the setting that names it."""
+        raise NotImplementedError
 
     def _write(self, record: dict[str, float]) -> None:
         raise NotImplementedError
@@ -468,9 +570,9 @@ class CSVLoggerHook(_StepRecordLogger):
 
     plugin_name: ClassVar[str] = "csv_logger"
 
-    path: Path = attrs.field(converter=Path)
+    path: Path = attrs.field(converter=_csv_path, validator=_csv_file_path)
     log_every_n_steps: int = attrs.field(default=10, validator=int_at_least(1))
-    priority: int = LOGGING_PRIORITY
+    priority: int = attrs.field(default=LOGGING_PRIORITY, validator=strict_int)
     #: Tells two CSV loggers apart in a checkpoint (their smoothing state); default: the file's name.
     state_key: str | None = attrs.field(
         default=attrs.Factory(lambda self: self.path.name or None, takes_self=True), validator=optional_non_empty_str()
@@ -487,6 +589,9 @@ class CSVLoggerHook(_StepRecordLogger):
 
     def __attrs_post_init__(self) -> None:
         self._reader = StepLogReader(self.log_every_n_steps, owner=type(self).__name__)
+
+    def _output_folder(self) -> tuple[Path, str]:
+        return self.path.parent, "CSVLoggerHook.path"
 
     def _write(self, record: dict[str, float]) -> None:
         with naming_file(self.path):  # a full disk is reported naming metrics.csv
@@ -590,10 +695,10 @@ class TensorBoardHook(_StepRecordLogger):
 
     plugin_name: ClassVar[str] = "tensorboard"
 
-    log_dir: Path = attrs.field(converter=Path)
+    log_dir: Path = attrs.field(converter=_log_dir_path, validator=_folder_path)
     #: None: follow the step scheduler's ``log_remote_every_steps`` (the experiment-logger cadence).
     log_every_n_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
-    priority: int = LOGGING_PRIORITY
+    priority: int = attrs.field(default=LOGGING_PRIORITY, validator=strict_int)
     #: Tells two TensorBoard loggers apart in a checkpoint (their smoothing state); default: the folder's name.
     state_key: str | None = attrs.field(
         default=attrs.Factory(lambda self: self.log_dir.name or None, takes_self=True),
@@ -611,6 +716,9 @@ class TensorBoardHook(_StepRecordLogger):
         if not tensorboard_available():
             raise ImportError("TensorBoardHook needs the tensorboard package: pip install 'nvtrain[tensorboard]'")
         self._reader = StepLogReader(self.log_every_n_steps, owner=type(self).__name__, also_reserved=_TAKEN_TAGS)
+
+    def _output_folder(self) -> tuple[Path, str]:
+        return self.log_dir, "TensorBoardHook.log_dir"
 
     def _write(self, record: dict[str, float]) -> None:
         writer = self._writer

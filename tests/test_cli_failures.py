@@ -339,6 +339,16 @@ def test_a_run_directory_under_a_file_is_refused_at_output_dir(
 
 
 @pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_folder_where_the_metrics_file_goes_is_refused_at_logging_csv(
+    job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    (tmp_path / "out" / "job" / "metrics.csv").mkdir(parents=True)
+    assert main([command, str(job)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "logging.csv" in err and "CSVLoggerHook.path" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
 def test_a_factory_needing_a_missing_package_is_one_line_at_its_section(
     job: Path, capsys: pytest.CaptureFixture[str], command: str
 ) -> None:

@@ -52,11 +52,25 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 
 
 def tensorboard_steps(log_dir: Path) -> dict[str, list[int]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """The steps of every scalar written, file by file in the order the files were made.
 
-    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: [event.step for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    Read without TensorBoard's accumulator: it orders files by name, where the writer's
+    process-wide counter is not zero-padded (a file numbered 10 sorts before 9 when both
+    were made within one second, as short test runs are), and then purges what looks
+    like a restart.
+    """
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    def made(path: Path) -> tuple[int, int]:  # events.out.tfevents.<seconds>.<host>.<pid>.<counter>
+        parts = path.name.split(".")
+        return int(parts[3]), int(parts[-1])
+
+    steps: dict[str, list[int]] = {}
+    for path in sorted(log_dir.glob("events.out.tfevents.*"), key=made):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                steps.setdefault(value.tag, []).append(event.step)
+    return steps
 
 
 # -- a validation outside run() --------------------------------------------------------------------

@@ -423,13 +423,13 @@ def test_early_stopping_on_a_key_the_summary_lacks_warns_at_the_start(monitor: s
         def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
             seen.append(ctx.step_count)
 
-    with make_strategy([EarlyStoppingHook(monitor=monitor), Steps()], num_epochs=1, validation=validation) as strategy:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                strategy.run(data(2))
-            except KeyError:
-                assert warned  # the first validation: the summary has no such key
+    strategy = make_strategy([EarlyStoppingHook(monitor=monitor), Steps()], num_epochs=1, validation=validation)
+    with strategy, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            strategy.run(data(2))
+        except KeyError:
+            assert warned  # the first validation: the summary has no such key
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     expected = (
         "EarlyStoppingHook.monitor='val_los' is not a key of the validation summary (its keys: accuracy, loss, "

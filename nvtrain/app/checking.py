@@ -106,6 +106,10 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
         if not callable(forward_fn):
             raise loaded.error(f"{config.model.forward_fn!r} is not callable", ("model", "forward_fn"))
     metrics = _metrics(loaded, resolve)
+    blocking = blocking_file(config.run_dir)  # before the loggers, which refuse a path under a file themselves
+    if blocking is not None:
+        where = "is a file" if blocking == config.run_dir else f"lies under {str(blocking)!r}, which is a file"
+        raise loaded.error(f"the run directory {str(config.run_dir)!r} {where}", ("output_dir",))
     hooks = list(build_hooks(loaded, search))
     if (world_size if world_size is not None else env_world_size()) > 1 and not any(
         getattr(h, "plugin_name", None) == "ddp" or getattr(h, "data_parallel", False) is True for h in hooks
@@ -134,10 +138,6 @@ def prepare(loaded: LoadedConfig, *, world_size: int | None = None) -> Plan:
     _check_monitors(loaded, metrics, hooks)
     _check_start(loaded)
     _check_device(loaded)
-    blocking = blocking_file(config.run_dir)
-    if blocking is not None:
-        where = "is a file" if blocking == config.run_dir else f"lies under {str(blocking)!r}, which is a file"
-        raise loaded.error(f"the run directory {str(config.run_dir)!r} {where}", ("output_dir",))
     return Plan(
         loaded=loaded,
         model_factory=model_factory,

@@ -239,7 +239,10 @@ def run_logging_hooks(loaded: LoadedConfig) -> list[object]:
     if section.progress_bar:
         hooks.append(ProgressBarHook(log_every_n_steps=every))
     if section.csv:
-        hooks.append(CSVLoggerHook(run_dir / "metrics.csv", log_every_n_steps=every))
+        try:  # the run directory's metrics.csv: a folder of that name is this config's problem
+            hooks.append(CSVLoggerHook(run_dir / "metrics.csv", log_every_n_steps=every))
+        except FieldProblem as err:
+            raise loaded.error(str(err), ("logging", "csv")) from None
     elif section.plot:
         raise loaded.error("plot needs the metrics file: set logging.csv to true or plot to false", ("logging", "plot"))
     if section.plot and importlib.util.find_spec("matplotlib") is None:
@@ -250,6 +253,6 @@ def run_logging_hooks(loaded: LoadedConfig) -> list[object]:
     if section.tensorboard is True or (section.tensorboard == "auto" and tensorboard_available()):
         try:
             hooks.append(TensorBoardHook(run_dir / "tensorboard"))  # the step scheduler's log_remote_every_steps
-        except ImportError as err:
+        except (ImportError, FieldProblem) as err:
             raise loaded.error(str(err), ("logging", "tensorboard")) from None
     return hooks

@@ -42,12 +42,29 @@ def _as_dir(value: Any) -> Path:
     raise refused("CheckpointHook", "checkpoint_dir", value, "a non-empty path", error=FieldTypeError)
 
 
+#: ``resume`` values that read as a mistyped mode unless a path of that name exists: the mode meant, and why
+#: the value is none.
+_MODE_LOOKALIKES = {
+    NEVER: (NEVER, "modes are lower case"),
+    AUTO: (AUTO, "modes are lower case"),
+    "latest": (AUTO, "no mode; 'auto' continues from the checkpoint 'latest' names"),
+}
+
+
 def _as_resume(value: Any) -> str | Path:
+    expected = "'never', 'auto' or a checkpoint path"
     if value in (NEVER, AUTO):
         return str(value)
+    if isinstance(value, str) and value.lower() in _MODE_LOOKALIKES and not os.path.lexists(value):
+        meant, why = _MODE_LOOKALIKES[value.lower()]
+        message = (
+            f"CheckpointHook.resume must be {expected} (got {value!r}: {why}, and no path of that name exists); "
+            f"did you mean resume={meant!r}?"
+        )
+        raise refused("CheckpointHook", "resume", value, expected, message=message)
     if isinstance(value, os.PathLike) or (isinstance(value, str) and value):
         return Path(value)
-    raise refused("CheckpointHook", "resume", value, "'never', 'auto' or a checkpoint path")
+    raise refused("CheckpointHook", "resume", value, expected)
 
 
 @attrs.define(eq=False)

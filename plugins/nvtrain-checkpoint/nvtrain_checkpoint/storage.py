@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import operator
 import os
 import pickle
 import re
@@ -47,6 +48,7 @@ import attrs
 import torch
 
 from nvtrain.errors import ResumeError, disk_full
+from nvtrain.validators import FieldProblem, FieldTypeError, FieldValueError, refused
 
 __all__ = [
     "FORMAT_VERSION",
@@ -91,6 +93,9 @@ _RANK_DIR = re.compile(r"^rank_(\d+)$")
 _ZIP_MAGIC = b"PK\x03\x04"
 #: ``CheckpointHook.plugin_name``: the manifest's ``plugins`` entry naming the nvtrain-checkpoint that wrote it.
 _PLUGIN_NAME = "checkpoint"
+#: Manifest keys the writers set themselves (``sharded``: the sharded saver's, naming its shards); a reader
+#: trusts them, so ``save_checkpoint``'s ``metadata`` may not set them.
+RESERVED_METADATA = ("format_version", "step", "files", "sharded")
 
 
 class CheckpointError(ResumeError):
@@ -148,7 +153,11 @@ def save_checkpoint(
     ``discard`` receives the checkpoints retention retired (see :func:`apply_retention`);
     ``passed_over`` names the ones a resume found corrupt, set aside first (:func:`set_aside`).
     Returns the published directory.
+
+    The arguments are checked before anything is written (:func:`check_save_arguments`): what the
+    readers would refuse is never published, nor ``latest`` moved to it.
     """
+    step, keep_last_n = check_save_arguments(step, state, metadata, keep_last_n)
     root = Path(root)
     if not root.is_dir():
         root.mkdir(parents=True, exist_ok=True)
@@ -177,6 +186,67 @@ def save_checkpoint(
     set_aside(root, set(passed_over) - {name})
     apply_retention(root, keep_last_n, discard=discard)
     return final
+
+
+def check_save_arguments(step: Any, state: Any, metadata: Any, keep_last_n: Any) -> tuple[int, int | None]:
+    """``step`` and ``keep_last_n`` as ints, once every argument of :func:`save_checkpoint` is one its readers take.
+
+    ``step`` an int >= 0, ``keep_last_n`` None or an int >= 1 (numpy's integers and a 0-d integer
+    tensor count as ints; a bool does not), ``state`` a mapping, ``metadata`` a mapping of str keys
+    to JSON values that sets none of :data:`RESERVED_METADATA`. Each refusal names the argument
+    (a :class:`~nvtrain.validators.FieldValueError` or ``FieldTypeError``).
+    """
+    step = _as_count(step, "step", 0)
+    if keep_last_n is not None:
+        keep_last_n = _as_count(keep_last_n, "keep_last_n", 1, or_none=True)
+    if not isinstance(state, Mapping):
+        raise _refused("state", state, "a mapping (a training state dict)", error=FieldTypeError)
+    if not isinstance(metadata, Mapping):
+        raise _refused("metadata", metadata, "a mapping of manifest entries ({} for none)", error=FieldTypeError)
+    for key, value in metadata.items():
+        _check_metadata_entry(key, value)
+    return step, keep_last_n
+
+
+def _as_count(value: Any, name: str, minimum: int, *, or_none: bool = False) -> int:
+    """``value`` as an int >= ``minimum``: an int or an integer scalar (``operator.index``), never a bool."""
+    expected = f"an int >= {minimum}" + (" or None" if or_none else "")
+    is_bool = isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+    is_tensor_of_many = isinstance(value, torch.Tensor) and value.dim() != 0
+    try:
+        number = None if is_bool or is_tensor_of_many else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
+        raise _refused(name, value, expected)
+    return number
+
+
+def _check_metadata_entry(key: Any, value: Any) -> None:
+    """One manifest entry: a str key the writer does not set itself, a JSON value (checked now, not mid-save)."""
+    if not isinstance(key, str):
+        message = f"save_checkpoint: metadata keys must be str (manifest entry names), got {key!r}"
+        raise _refused("metadata", key, "a mapping with str keys", message=message, error=FieldTypeError)
+    if key in RESERVED_METADATA:
+        reserved = ", ".join(repr(name) for name in RESERVED_METADATA)
+        message = (
+            f"save_checkpoint: metadata may not set {key!r}: {reserved} are the manifest entries save_checkpoint "
+            "writes itself (the step is the step argument)"
+        )
+        raise _refused("metadata", key, "no reserved key", message=message)
+    try:
+        json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as err:
+        message = f"save_checkpoint: metadata[{key!r}] must be JSON data (got {shown_value(value)}: {err})"
+        raise _refused("metadata", value, "JSON data", message=message, error=FieldTypeError) from None
+
+
+def _refused(
+    name: str, value: Any, expected: str, *, message: str | None = None, error: type[FieldProblem] = FieldValueError
+) -> FieldProblem:
+    """``save_checkpoint: <name> must be <expected> (got value)``, as a field refusal names a hook's setting."""
+    message = message or f"save_checkpoint: {name} must be {expected} (got {value!r})"
+    return refused("save_checkpoint", name, value, expected, message=message, error=error)
 
 
 def write_state_file(path: Path, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -394,7 +464,10 @@ def is_healthy(directory: Path) -> bool:
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
-    """Complete checkpoints under ``root`` (``step_<N>`` directories with a manifest), by step."""
+    """Complete checkpoints under ``root`` (``step_<N>`` directories with a manifest), by step.
+
+    Empty for a ``root`` that does not exist (yet); a file there is refused (:class:`CheckpointError`).
+    """
     return [info for info in _step_directories(root) if (info.path / MANIFEST_NAME).is_file()]
 
 
@@ -407,7 +480,7 @@ def _step_directories(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
     """Every ``step_<N>`` directory under ``root``, by step; a parked ``.replaced-step_<N>-<hex>`` one
     stands for ``step_<N>`` while that name is free (see :func:`publish`)."""
     root = Path(root)
-    if not root.is_dir():
+    if not _is_root(root):
         return []
     found = {}
     for entry in root.iterdir():
@@ -417,6 +490,17 @@ def _step_directories(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
     for name, parked in _parked_checkpoints(root).items():
         found.setdefault(name, CheckpointInfo(parked, int(name.removeprefix("step_"))))
     return sorted(found.values(), key=lambda info: info.step)
+
+
+def _is_root(root: Path) -> bool:
+    """Whether ``root`` is a directory to look for checkpoints in: False when nothing is there (a run that has not
+    saved yet), CheckpointError when something other than a directory is (a file, a broken link)."""
+    if root.is_dir():
+        return True
+    if not root.exists() and not root.is_symlink():
+        return False
+    what = "a file" if root.is_file() else "no directory"
+    raise CheckpointError(f"{root} is {what}, not a checkpoint root (the directory of step_<N> checkpoints)")
 
 
 def _parked_checkpoints(root: Path) -> dict[str, Path]:
@@ -479,8 +563,13 @@ def _read_pointer(root: Path) -> str | None:
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The checkpoint ``latest`` names; the highest complete step if the pointer is missing or stale."""
+    """The checkpoint ``latest`` names; the highest complete step if the pointer is missing or stale.
+
+    None for a ``root`` that does not exist (yet): no checkpoint. A file there is refused.
+    """
     root = Path(root)
+    if not _is_root(root):
+        return None
     pointed = _read_pointer(root)
     if pointed is not None and (checkpoint_path(root, pointed) / MANIFEST_NAME).is_file():
         return checkpoint_path(root, pointed)
