@@ -48,6 +48,7 @@ from nvtrain import hookspecs
 from nvtrain.hook import DEFAULT_PRIORITY, Hook, TrainingUpdateHook, check_priority, hook_label
 from nvtrain.hookspecs import PRIORITY_ATTRIBUTE, PROJECT_NAME
 from nvtrain.stages import REPLACEMENT_STAGES, TrainingStage
+from nvtrain.validators import FieldTypeError, refused
 
 if TYPE_CHECKING:
     from pluggy import HookimplOpts
@@ -399,6 +400,8 @@ class HookBus:
     after_validation: StageCaller
 
     def __init__(self, *, trace: bool | None = None) -> None:
+        if trace is not None and not isinstance(trace, bool):  # "no" would be true: tracing on
+            raise refused("HookBus", "trace", trace, f"True, False or None ({TRACE_ENV} decides)", error=FieldTypeError)
         self._explain_unowned: UnownedExplainer | None = None
         self._pm = _BusPluginManager(self._compile, self.register)
         self._tracing = _trace_switch() if trace is None else trace

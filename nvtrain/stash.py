@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar, cast, final
 
+from nvtrain.validators import FieldTypeError, FieldValueError, refused
+
 __all__ = ["Stash", "StashKey"]
 
 T = TypeVar("T")
@@ -20,8 +22,12 @@ class StashKey(Generic[T]):
 
     __slots__ = ("name",)
 
-    def __init__(self, name: str = "") -> None:
-        self.name = name
+    def __init__(self, name: str | None = None) -> None:
+        if name is not None and not (isinstance(name, str) and name):
+            error = FieldValueError if isinstance(name, str) else FieldTypeError
+            raise refused("StashKey", "name", name, "a non-empty str naming the key in messages, or None", error=error)
+        #: Shown in ``repr()`` and in a missing key's error; "" for a key made without one.
+        self.name = name or ""
 
     def __repr__(self) -> str:
         return f"StashKey({self.name!r})" if self.name else super().__repr__()

@@ -230,7 +230,12 @@ def check_state(state: Any, source: str = "state") -> None:
     """Refuse something that is not a state produced by :func:`capture_state`."""
     if not isinstance(state, Mapping):
         raise TypeError(f"{source}: expected a training state dict, got {type(state).__name__}")
-    version = state.get("format")
+    if "format" not in state:
+        raise ValueError(
+            f"{source}: not a training state: it has no 'format' key (expected the keys of strategy.state_dict(): "
+            f"{sorted(('format', *_SECTIONS))}; got {_some_keys(state)})"
+        )
+    version = state["format"]
     if version != STATE_FORMAT:
         raise ValueError(
             f"{source}: training state format {version!r} is not supported by this nvtrain "
@@ -239,6 +244,15 @@ def check_state(state: Any, source: str = "state") -> None:
     missing = [section for section in _SECTIONS if section not in state]
     if missing:
         raise ValueError(f"{source}: training state lacks the section(s) {missing}")
+
+
+def _some_keys(state: Mapping[Any, Any], shown: int = 8) -> str:
+    """The first keys of ``state``, sorted, for a message: a model's state_dict given instead has hundreds."""
+    keys = sorted(map(str, state))
+    if not keys:
+        return "an empty dict"
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"the keys {keys[:shown]}{more}"
 
 
 def _class_path(obj: object) -> str:

@@ -37,6 +37,7 @@ from nvtrain.validation import (
     ValidationLoop,
     averages_to_validate,
     cadence_never_fires,
+    check_batches,
     validation_autocast,
     validation_models,
 )
@@ -773,6 +774,7 @@ class TrainingStrategy:
         loader = loader if loader is not None else config.data
         if loader is None:
             raise ValueError("validate(): no loader given and TrainingStrategy.validation.data is not set")
+        check_batches(loader, "TrainingStrategy.validate", "loader")
         self.setup()
         ctx = self.ctx
         hooks = self.registry.hooks()

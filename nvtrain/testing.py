@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
+from nvtrain.validators import refused
+
 __all__ = [
     "PORTS_VARIABLE",
     "RanksFailed",
@@ -61,6 +63,13 @@ _FAILURE_GRACE_S = 5.0
 
 class RanksFailed(AssertionError):
     """A rank exited with an error or the ranks ran out of time; the message quotes their output."""
+
+
+def _check_nprocs(function: str, nprocs: Any) -> None:
+    """Refuse a rank count below 1: no rank would start, and a test built on it would pass without running."""
+    if not (isinstance(nprocs, int) and not isinstance(nprocs, bool) and nprocs >= 1):
+        message = f"{function}(nprocs=...) must be an int >= 1 (got {nprocs!r})"
+        raise refused(function, "nprocs", nprocs, "an int >= 1", message=message)
 
 
 def free_port() -> int:
@@ -98,6 +107,7 @@ def start_ranks(
 ) -> list[subprocess.Popen[str]]:
     """Start ``nprocs`` ranks of ``python script *args``, each in its own process group (so a kill
     reaches everything it started); ``scenarios`` free ports go to :data:`PORTS_VARIABLE`."""
+    _check_nprocs("start_ranks", nprocs)
     env = rank_environment(cuda=cuda) | {
         "MASTER_ADDR": "127.0.0.1",
         "WORLD_SIZE": str(nprocs),
@@ -263,6 +273,7 @@ def run_ranks(
     timeout_s: float = 180,
 ) -> list[str]:
     """:func:`start_ranks`, then :func:`wait_ranks`: each rank's output, or :class:`RanksFailed`."""
+    _check_nprocs("run_ranks", nprocs)
     return wait_ranks(start_ranks(script, args, nprocs=nprocs, scenarios=scenarios, cuda=cuda), timeout_s)
 
 
@@ -306,6 +317,7 @@ def spawn_ranks(fn: Callable[..., None], *args: Any, nprocs: int = 2, timeout_s:
     A rendezvous that lost a race for its port or socket is tried once more on another port;
     any other failure is raised as torch's ``ProcessRaisedException``, with the rank's traceback.
     """
+    _check_nprocs("spawn_ranks", nprocs)
     import torch.multiprocessing as mp
 
     for attempt in range(2):

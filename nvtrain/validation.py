@@ -10,13 +10,14 @@ import attrs
 import torch
 
 from nvtrain.hook import AveragesWeights, ProvidesAutocast
-from nvtrain.validators import FieldTypeError, optional_int_at_least, refused, satisfies
+from nvtrain.validators import FieldTypeError, a_callable, optional_int_at_least, refused, satisfies
 
 __all__ = [
     "ValidationConfig",
     "ValidationLoop",
     "averages_to_validate",
     "cadence_never_fires",
+    "check_batches",
     "validation_autocast",
     "validation_models",
 ]
@@ -83,6 +84,33 @@ def _check_metrics(instance: Any, attribute: attrs.Attribute[Any], value: Any) -
             raise refused(owner, attribute.name, value, expected, message=message, error=FieldTypeError)
 
 
+#: What ValidationConfig.data and strategy.validate(loader) take, as their errors say it.
+_BATCHES_EXPECTED = "an iterable of batches (a DataLoader, a list of batches)"
+
+
+def _iterable_of_batches(value: Any) -> bool:
+    """What ``iter()`` takes (``__iter__``, or a sequence's ``__getitem__``), but no str or bytes, whose
+    items would be characters, not batches."""
+    if isinstance(value, (str, bytes)):
+        return False
+    return isinstance(value, Iterable) or hasattr(type(value), "__getitem__")
+
+
+def check_batches(value: Any, owner: str, argument: str) -> None:
+    """Refuse ``value`` as validation data unless it can be iterated for batches: ``owner(argument) must be ...``
+    (``TrainingStrategy.validate(loader)``).
+
+    Iterating a number raises ``'float' object is not iterable``, which names neither the call nor the argument.
+    """
+    if not _iterable_of_batches(value):
+        message = f"{owner}({argument}) must be {_BATCHES_EXPECTED} (got {value!r})"
+        raise refused(owner, argument, value, _BATCHES_EXPECTED, message=message, error=FieldTypeError)
+
+
+#: ValidationConfig.data: refused when built, not at the first validation after an epoch of training.
+_batches_or_none = satisfies(_BATCHES_EXPECTED, _iterable_of_batches, or_none=True, error=FieldTypeError)
+
+
 @attrs.frozen
 class ValidationConfig:
     """When and how ``TrainingStrategy`` validates.
@@ -102,7 +130,7 @@ class ValidationConfig:
     (``nvtrain.builtin.metrics.accuracy``). Both are checked when the config is built.
     """
 
-    data: Iterable[Any] | None = None
+    data: Iterable[Any] | None = attrs.field(default=None, validator=_batches_or_none)
     every_n_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
     every_n_epochs: int | Literal["auto"] | None = attrs.field(default="auto", validator=_epochs_none_or_auto)
     use_mixed_precision: bool | Literal["auto"] = attrs.field(default="auto", validator=_true_false_or_auto)
@@ -149,12 +177,20 @@ class ValidationLoop:
     hook froze in ``eval()`` stays frozen.
     """
 
-    forward: Callable[[Mapping[str, torch.nn.Module], Any], tuple[Any, Any, int]]
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    autocast: AutocastFactory = contextlib.nullcontext
-    metrics: Mapping[str, Metric] = attrs.field(factory=dict)
+    forward: Callable[[Mapping[str, torch.nn.Module], Any], tuple[Any, Any, int]] = attrs.field(
+        validator=a_callable("callable as forward(models, batch) -> (outputs, targets, batch_size)")
+    )
+    loss_fn: Callable[[Any, Any], torch.Tensor] = attrs.field(
+        validator=a_callable("callable as loss_fn(outputs, targets) -> tensor")
+    )
+    autocast: AutocastFactory = attrs.field(
+        default=contextlib.nullcontext,
+        validator=a_callable("callable as autocast() -> context manager, e.g. contextlib.nullcontext"),
+    )
+    metrics: Mapping[str, Metric] = attrs.field(factory=dict, validator=_check_metrics)
 
     def run(self, models: Mapping[str, torch.nn.Module], loader: Iterable[Any]) -> dict[str, Any]:
+        check_batches(loader, "ValidationLoop.run", "loader")
         modes = _module_modes(models)
         tops = [(model, model.training) for model in models.values()]
         for model in models.values():

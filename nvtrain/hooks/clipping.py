@@ -14,7 +14,7 @@ from nvtrain.distributed import dtensor_type
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.stages import TrainingStage
 from nvtrain.stash import Stash, StashKey
-from nvtrain.validators import number_above, optional_number_above, optional_str_tuple, strict_int
+from nvtrain.validators import number_above, optional_bool, optional_number_above, optional_str_tuple, strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -194,8 +194,9 @@ class GradientClippingHook(TrainingUpdateHook):
     norm_type: float = attrs.field(default=2.0, validator=number_above(0, example="2.0 or float('inf')"))
     max_value: float | None = attrs.field(default=None, validator=optional_number_above(0))
     model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_key_tuple, validator=_model_keys)
-    #: Passed to the torch clipping functions; None lets torch pick the fastest implementation.
-    foreach: bool | None = None
+    #: Passed to the torch clipping functions; None lets torch pick the fastest implementation. A bool only:
+    #: torch takes any true value (``"no"``) as True.
+    foreach: bool | None = attrs.field(default=None, validator=optional_bool)
     priority: int = attrs.field(default=30, validator=strict_int)
 
     _metric: str = attrs.field(init=False, repr=False)

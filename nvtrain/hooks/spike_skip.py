@@ -21,7 +21,7 @@ from nvtrain.hooks.clipping import (
     total_grad_norm,
 )
 from nvtrain.stages import TrainingStage
-from nvtrain.validators import int_at_least, number_above, refused, strict_int
+from nvtrain.validators import int_at_least, number_above, refused, satisfies, strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -30,6 +30,13 @@ __all__ = ["SpikeSkipHook"]
 
 _DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
 _SIGNALS = ("loss", "grad_norm")
+#: The most values ``window`` may keep per monitored signal: each is a float held in memory and in the
+#: hook's state (a checkpoint), and a deque cannot be longer than ``sys.maxsize`` at all.
+_MAX_WINDOW = 1_000_000
+_window_size = satisfies(
+    f"an int >= 2 and <= {_MAX_WINDOW} (the last accepted steps the statistics cover)",
+    lambda v: isinstance(v, int) and not isinstance(v, bool) and 2 <= v <= _MAX_WINDOW,
+)
 
 
 def _as_tuple(value: Any) -> Any:
@@ -138,7 +145,7 @@ class SpikeSkipHook(TrainingUpdateHook):
     #: Skip when a value exceeds mean + threshold_sigmas * std of the recent accepted values.
     threshold_sigmas: float = attrs.field(default=6.0, validator=number_above(0, finite=True))
     #: How many recent accepted steps the statistics cover.
-    window: int = attrs.field(default=100, validator=int_at_least(2))
+    window: int = attrs.field(default=100, validator=_window_size)
     #: Accepted steps before the threshold applies (non-finite values are skipped from the start).
     warmup_steps: int = attrs.field(default=20, validator=int_at_least(2))
     #: Which values to watch: "loss", "grad_norm", or both.

@@ -135,6 +135,7 @@ def load(spec: str, /, **settings: Any) -> Any:
     name that is also a built-in hook's (``clip``) raises :class:`PluginNameError`, as a
     config naming it does: ``"clip:ClassName"`` picks the plugin.
     """
+    _check_spec("load", spec)
     record = _visible_record(spec.partition(":")[0])
     return build_hook(hook_class(spec), settings, label=record.label)
 
@@ -146,6 +147,7 @@ def load_all(config: Mapping[str, Mapping[str, Any] | None]) -> list[Any]:
 
 def hook_class(spec: str) -> type:
     """The class ``load(spec)`` would build, without building it (refusing the same names ``load()`` refuses)."""
+    _check_spec("hook_class", spec)
     name, _, class_name = spec.partition(":")
     record = _visible_record(name)
     builtin = shadowed_builtin(name)
@@ -161,6 +163,22 @@ def visible_records() -> list[EntryPointRecord]:
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+
+def _check_spec(function: str, spec: Any) -> None:
+    """Refuse a spec that is no str, which would fail as a bare AttributeError on ``partition``."""
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"nvtrain.plugins.{function}(spec) must be a str naming a plugin, e.g. 'ema' or 'ema:EMAHook' "
+            f"(got {spec!r})"
+        )
+
+
+def _close_match(name: str, candidates: list[str]) -> str | None:
+    """The candidate ``name`` most likely misspells, ignoring case (``EMA`` is ``ema``), or None."""
+    by_folded = {candidate.casefold(): candidate for candidate in candidates}
+    close = difflib.get_close_matches(name.casefold(), list(by_folded), n=1)
+    return by_folded[close[0]] if close else None
 
 
 def _by_name(records: tuple[EntryPointRecord, ...]) -> dict[str, list[EntryPointRecord]]:
@@ -203,8 +221,8 @@ def _visible_record(name: str) -> EntryPointRecord:
         )
     if not records:
         installed = sorted({r.name for r in visible_records()})
-        close = difflib.get_close_matches(name, installed, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        close = _close_match(name, installed)
+        hint = f"; did you mean {close!r}?" if close else ""
         listed = ", ".join(installed) if installed else "none"
         raise PluginNotFoundError(
             f"no plugin named {name!r} in entry-point group {ENTRY_POINT_GROUP!r}{hint} (installed: {listed})"
@@ -221,8 +239,8 @@ def _pick_class(loaded: LoadedPlugin, class_name: str | None) -> type:
         if cls.__name__ == class_name:
             return cls
     names = [cls.__name__ for cls in loaded.classes]
-    close = difflib.get_close_matches(class_name, names, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    close = _close_match(class_name, names)
+    hint = f"; did you mean {close!r}?" if close else ""
     raise PluginNotFoundError(
         f"{loaded.record.label} has no hook class {class_name!r}{hint} (it provides: {', '.join(names)})"
     )

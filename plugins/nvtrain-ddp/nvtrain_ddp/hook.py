@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import gc
 import inspect
 import logging
@@ -29,7 +30,14 @@ from nvtrain.data_parallel import (
 )
 from nvtrain.distributed import TorchrunEnv
 from nvtrain.hook import accumulating_hook
-from nvtrain.validators import FieldTypeError, a_bool, optional_bool, optional_non_empty_str, refused
+from nvtrain.validators import (
+    FieldTypeError,
+    FieldValueError,
+    a_bool,
+    optional_bool,
+    optional_non_empty_str,
+    refused,
+)
 
 __all__ = ["DDPHook"]
 
@@ -63,6 +71,33 @@ def _as_model_keys(value: Any) -> tuple[str, ...] | None:
         message = f"DDPHook.model_keys names a model twice (got {value!r})"
         raise refused("DDPHook", "model_keys", value, expected, message=message)
     return keys
+
+
+def _refuse_unknown_backend(backend: str | None) -> None:
+    """Refuse a backend torch.distributed does not know, in one process too: torch only warns about an unknown
+    name and fails when it initialises the group, so a typo (``"glo"``) would surface first on the cluster.
+
+    Checked at SETUP, not when the hook is built: a package that registers a backend of its own may be
+    imported after the hook is built. ``"cpu:gloo,cuda:nccl"`` pairs name one backend per device type.
+    """
+    if backend is None:
+        return
+    known = [name for name in dist.Backend.backend_list if name != dist.Backend.UNDEFINED]
+    pairs = [part.partition(":") for part in backend.lower().split(",")]
+    names = [name if sep else device for device, sep, name in pairs]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        expected = f"one of {known}, or 'device:backend' pairs such as 'cpu:gloo,cuda:nccl'"
+        raise FieldValueError(
+            f"DDPHook.backend={backend!r} names no torch.distributed backend {unknown[0]!r}{hint} "
+            f"(expected {expected})",
+            owner="DDPHook",
+            field="backend",
+            value=backend,
+            expected=expected,
+        )
 
 
 def _as_sampler_cls(value: Any) -> Callable[..., Any]:
@@ -99,9 +134,10 @@ class DDPHook(ShardsTrainLoader):
       process group only if this hook created it. The injected loader stays in place.
 
     In a single process (no process group and ``WORLD_SIZE`` at most 1) the hook wraps
-    nothing (its settings are still checked: ``static_graph`` with accumulation and
-    ``model_keys`` that leave out a trained model are refused), so one script runs, or is
-    refused, under ``python`` and ``torchrun`` alike.
+    nothing (its settings are still checked: ``static_graph`` with accumulation,
+    ``model_keys`` that name no model or leave out a trained model, and a ``backend``
+    torch.distributed does not know are refused), so one script runs, or is refused,
+    under ``python`` and ``torchrun`` alike.
     """
 
     plugin_name: ClassVar[str] = "ddp"
@@ -147,6 +183,8 @@ class DDPHook(ShardsTrainLoader):
         """Resolve the process group, wrap the models, inject the sampler."""
         self._ctx = ctx
         refuse_other_data_parallel(ctx, self)
+        self._keys(ctx)  # a model_keys typo fails in one process too, as it would under torchrun
+        _refuse_unknown_backend(self.backend)
         refuse_unsynchronized_models(ctx, "DDPHook", self.model_keys)
         if ctx.strategy is not None:
             accumulation = accumulating_hook(ctx.strategy.registry.update_hooks(), strict=False)
@@ -198,7 +236,13 @@ class DDPHook(ShardsTrainLoader):
             return tuple(strategy.optimizers) if strategy is not None else tuple(ctx.models)
         for key in self.model_keys:
             if key not in ctx.models:
-                raise ValueError(f"DDPHook.model_keys: no model named {key!r} (models: {sorted(ctx.models)})")
+                raise FieldValueError(
+                    f"DDPHook.model_keys: no model named {key!r} (models: {sorted(ctx.models)})",
+                    owner="DDPHook",
+                    field="model_keys",
+                    value=self.model_keys,
+                    expected=f"names among {sorted(ctx.models)}",
+                )
         return self.model_keys
 
     def _wrap(self, key: str, model: torch.nn.Module, group: Any, options: dict[str, Any]) -> DistributedDataParallel:

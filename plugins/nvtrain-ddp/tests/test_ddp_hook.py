@@ -531,6 +531,7 @@ def test_a_loader_given_after_setup_warns_and_shard_fixes_it() -> None:
         assert isinstance(sharded.sampler, DistributedSampler) and sharded.sampler.shuffle is True
         with warnings.catch_warnings():
             warnings.simplefilter("error")
+            warnings.filterwarnings("ignore", r"TrainingStrategy\.run\(\): nothing to train")  # the epoch is done
             strategy.run(sharded)
             strategy.run(strategy.ctx.train_loader)
         assert strategy.ctx.train_loader is sharded
