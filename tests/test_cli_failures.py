@@ -841,3 +841,20 @@ def test_a_factory_refusal_quoting_a_value_is_placed_at_the_kwarg_in_the_file(
     assert main(["validate", str(job)]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert f"{job}:" in err and ": optimizer.kwargs.lr: torch.optim:SGD: Invalid learning rate: -1" in err
+
+
+# -- main() called in-process leaves the process as it found it -------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_an_in_process_command_leaves_the_root_logger_and_threads_as_they_were(
+    job: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A notebook or a test calling main() keeps its logging and its torch thread count (cpu_threads is the run's)."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level, threads = list(root.handlers), root.level, torch.get_num_threads()
+    other = 2 if threads != 2 else 3
+    assert main([command, str(job), *sets(f"cpu_threads={other}", "trainer.max_steps=2")]) == EXIT_OK
+    assert (list(root.handlers), root.level, torch.get_num_threads()) == (handlers, level, threads)

@@ -63,6 +63,7 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
             raise plan.loaded.error(str(err), ("device",)) from None
     rank = manager.rank if manager is not None else 0
     started = time.perf_counter()
+    threads = torch.get_num_threads()  # cpu_threads is the run's: a caller in-process (a notebook) gets its own back
     try:
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
@@ -113,6 +114,7 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
         if rank == 0:
             _finish(plan, result, seconds, out, built.watch, saved, resumed=built.resume_from is not None)
     finally:
+        torch.set_num_threads(threads)
         if manager is not None:
             from nvtrain.distributed import DistributedManager
 

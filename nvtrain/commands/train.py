@@ -17,8 +17,11 @@ preemption signal after a checkpoint (run the same command again to resume);
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from nvtrain.errors import disk_full
 
@@ -62,9 +65,10 @@ class _StderrHandler:
     """Marker base: the handler ``show_logs`` installs (so it is installed once)."""
 
 
-def show_logs() -> None:
-    """Print nvtrain's INFO messages (a resume, a preemption) and everyone's warnings on stderr."""
-    import logging
+@contextlib.contextmanager
+def logs_shown() -> Iterator[None]:
+    """Print nvtrain's INFO messages (a resume, a preemption) and everyone's warnings on stderr while the command
+    runs; the root logger is left as it was afterwards (``main()`` may be called in-process: tests, notebooks)."""
 
     class StderrHandler(logging.StreamHandler, _StderrHandler):  # type: ignore[type-arg]
         def emit(self, record: logging.LogRecord) -> None:
@@ -72,20 +76,26 @@ def show_logs() -> None:
             super().emit(record)
 
     root = logging.getLogger()
-    if any(isinstance(h, _StderrHandler) for h in root.handlers):
+    if any(isinstance(h, _StderrHandler) for h in root.handlers):  # a command inside a command: shown already
+        yield
         return
     handler = StderrHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     handler.addFilter(lambda record: record.levelno >= logging.WARNING or record.name.startswith("nvtrain"))
+    level = root.level
     root.addHandler(handler)
     if root.level > logging.INFO or root.level == logging.NOTSET:
         root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
 
 
 def run(args: argparse.Namespace) -> int:
-    from nvtrain.app import EXIT_DIVERGED, EXIT_FAILURE, EXIT_USAGE, prepare, train
+    from nvtrain.app import EXIT_USAGE, prepare
     from nvtrain.config import ConfigError, dump_config, load_config
-    from nvtrain.errors import TrainingDivergedError
 
     try:
         loaded = load_config(args.config, args.overrides)
@@ -95,7 +105,15 @@ def run(args: argparse.Namespace) -> int:
         plan = prepare(loaded)
     except (ConfigError, ImportError) as err:
         return error(str(err), EXIT_USAGE)
-    show_logs()
+    with logs_shown():
+        return _train(plan)
+
+
+def _train(plan: Any) -> int:
+    from nvtrain.app import EXIT_DIVERGED, EXIT_FAILURE, EXIT_USAGE, train
+    from nvtrain.config import ConfigError
+    from nvtrain.errors import TrainingDivergedError
+
     try:
         return train(plan).exit_code
     except ConfigError as err:  # found while building: nothing was trained or written

@@ -37,11 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nvtrain.commands.train import logs_shown
+
+    with logs_shown():  # a resume's warnings (a corrupt checkpoint passed over) are part of the answer
+        return _validate(args)
+
+
+def _validate(args: argparse.Namespace) -> int:
     from nvtrain.app import EXIT_OK, EXIT_USAGE, build, check_one_batch, prepare
-    from nvtrain.commands.train import show_logs
     from nvtrain.config import ConfigError, load_config
 
-    show_logs()  # a resume's warnings (a corrupt checkpoint passed over) are part of the answer
     try:
         plan = prepare(load_config(args.config, args.overrides), world_size=1)
         built = build(plan)
