@@ -565,15 +565,21 @@ class SyncGuard:
         self.every = every
         self.guarded_steps = 0
 
-    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_FIRST - 1)  # before every other implementation
-    def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
+    # Wrappers, outermost: the bus calls every wrapper before the plain implementations, so plain hookimpls at
+    # any priority would leave other wrappers' code before BEFORE_BATCH's and after AFTER_BATCH's yield unguarded.
+    @nvtrain.hookimpl(wrapper=True, priority=nvtrain.PRIORITY_FIRST - 1)
+    def before_batch(self, ctx: nvtrain.TrainingContext) -> Any:
         if ctx.windowed and (ctx.step_count + 1) % self.every:
             torch.cuda.set_sync_debug_mode("error")
             self.guarded_steps += 1
+        return (yield)
 
-    @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST + 1)  # after every other implementation
-    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
-        torch.cuda.set_sync_debug_mode("default")
+    @nvtrain.hookimpl(wrapper=True, priority=nvtrain.PRIORITY_FIRST - 1)
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> Any:
+        try:
+            return (yield)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
     def close(self) -> None:
         torch.cuda.set_sync_debug_mode("default")
