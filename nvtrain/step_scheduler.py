@@ -44,7 +44,7 @@ from nvtrain.data_cursor import check_rng_fits, is_one_shot, loader_generators
 from nvtrain.data_resharding import global_order, order_differences, resharded_position, sampler_kind
 from nvtrain.epoch_reader import NO_ITEM, EpochReader, loader_len, loader_parts
 from nvtrain.preemption import PreemptionWatcher, SignalLike, collective_device, resolve_signals
-from nvtrain.validators import int_at_least, optional_int_at_least, refused, strict_bool
+from nvtrain.validators import FieldTypeError, int_at_least, optional_int_at_least, refused, strict_bool
 
 if TYPE_CHECKING:
     from typing import Self
@@ -82,6 +82,13 @@ def _check_int(owner: str, name: str, value: Any, minimum: int, *, optional: boo
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         expected = f"an int >= {minimum}" + (" or None" if optional else "")
         raise refused(owner, name, value, expected)
+
+
+def _check_bool(owner: str, name: str, value: Any) -> bool:
+    """``value`` if it is a bool; a string such as ``"no"`` would read as True."""
+    if not isinstance(value, bool):
+        raise refused(owner, name, value, "True or False", error=FieldTypeError)
+    return value
 
 
 def _val_cadences(owner: str, value: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -187,13 +194,13 @@ class StepScheduler:
         self.grad_acc_steps = global_batch_size // (local_batch_size * dp_size)
         self.dataloader: Any = dataloader
         self.ckpt_every_steps = ckpt_every_steps
-        self.save_checkpoint_every_epoch = bool(save_checkpoint_every_epoch)
-        self.validate_on_checkpoint = bool(validate_on_checkpoint)
+        self.save_checkpoint_every_epoch = _check_bool(owner, "save_checkpoint_every_epoch", save_checkpoint_every_epoch)
+        self.validate_on_checkpoint = _check_bool(owner, "validate_on_checkpoint", validate_on_checkpoint)
         self.val_every_steps: tuple[int, ...] = _val_cadences(owner, val_every_steps)
         self.log_remote_every_steps = log_remote_every_steps
         self.loss_average_window_steps = loss_average_window_steps
         self.gc_every_steps = gc_every_steps
-        self.synchronized_stream = bool(synchronized_stream)
+        self.synchronized_stream = _check_bool(owner, "synchronized_stream", synchronized_stream)
         self.process_group = process_group
         self.max_steps = max_steps
         #: The epoch bound training stops at (None: only ``max_steps`` bounds the run).

@@ -707,3 +707,11 @@ def test_an_exact_len_or_a_one_shot_iterator_is_not_read_past() -> None:
         warnings.simplefilter("error")
         assert [row["window"] for row in drive(make(OneShot(), num_epochs=2))] == [[0], [1], [2], [3], [4], [5]]
         assert len(drive(make(Understated(4, 4), num_epochs=2))) == 8
+
+
+@pytest.mark.parametrize("name", ["save_checkpoint_every_epoch", "validate_on_checkpoint", "synchronized_stream"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_a_switch_takes_a_bool_only(name: str, value: Any) -> None:
+    """"no" would read as True, 1 as a number: the switch is refused, as StepSchedulerConfig refuses it."""
+    with pytest.raises(TypeError, match=rf"StepScheduler\.{name} must be True or False \(got {value!r}\)"):
+        make(list(range(4)), **{name: value})
