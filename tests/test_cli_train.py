@@ -165,16 +165,23 @@ def user_config(tmp_path: Path, module: str) -> Path:
     )
 
 
-def test_user_config_with_a_model_factory_beside_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_user_config_with_a_model_factory_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = user_config(tmp_path, "factory_for_user_config")
     threads = torch.get_num_threads()
     wanted = 1 if threads != 1 else 2
     overrides = ["trainer.max_steps=12", "model.kwargs.width=24", f"cpu_threads={wanted}"]
-    try:
-        assert main(["train", str(config), *(arg for o in overrides for arg in ("--set", o))]) == 0
-        assert torch.get_num_threads() == wanted
-    finally:
-        torch.set_num_threads(threads)
+    set_threads, calls = torch.set_num_threads, []
+
+    def recording(count: int) -> None:
+        calls.append(count)
+        set_threads(count)
+
+    monkeypatch.setattr(torch, "set_num_threads", recording)
+    assert main(["train", str(config), *(arg for o in overrides for arg in ("--set", o))]) == 0
+    assert calls == [wanted, threads]  # the run's, then the caller's back
+    assert torch.get_num_threads() == threads
     assert (tmp_path / "built.json").read_text() == '{"width": 24}'  # the user's factory, with the override
     run = tmp_path / "out" / "user"
     resolved = yaml.safe_load((run / "config.yaml").read_text())
