@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from nvtrain.atomic_files import replaced_atomically
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks-overhead.png"
 
@@ -82,15 +82,12 @@ def plot(benchmarks: list[dict[str, Any]], output: Path, machine: str) -> Path:
     figure.suptitle(f"Hook dispatch cost: nvtrain against direct pluggy calls ({machine})", fontsize=10)
     figure.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
-    # written under a temporary name and renamed, so a failed draw never leaves half a PNG
-    handle, tmp = tempfile.mkstemp(dir=output.parent, prefix=".tmp-", suffix=".png")
-    os.close(handle)
+    # written under a temporary name and renamed, so a failed draw never leaves half a PNG; the PNG gets a new
+    # file's mode under the umask (0644 under the usual 022), not mkstemp's owner-only 0600
     try:
-        figure.savefig(tmp, dpi=110)
-        os.replace(tmp, output)
+        with replaced_atomically(output, suffix=".png") as tmp:
+            figure.savefig(tmp, dpi=110)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         plt.close(figure)
     return output
 

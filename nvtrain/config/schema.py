@@ -256,7 +256,8 @@ TRAINER_HELP: dict[str, str] = {
     "A multiple of batch size x processes; larger means gradient accumulation.",
     "num_epochs": "Epochs to train (null: derived from `max_steps`; both null: one epoch).",
     "max_steps": "Stop after this many optimizer steps (null: run all epochs).",
-    "ckpt_every_steps": "Checkpoint every N optimizer steps (null: only at epoch ends, the last step and preemption).",
+    "ckpt_every_steps": "Checkpoint every N optimizer steps (null: only at the last step, on preemption, and at "
+    "epoch ends when `save_checkpoint_every_epoch` is true).",
     "save_checkpoint_every_epoch": "Also checkpoint at every epoch end.",
     "validate_on_checkpoint": "Also validate at every checkpoint step (only with a hook that writes checkpoints, "
     "such as `checkpoint`).",
