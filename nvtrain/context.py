@@ -87,9 +87,13 @@ class TrainingContext:
         ends right after it. Under torch.distributed every rank stops at the same step.
         """
         scheduler = self.scheduler
-        if scheduler is None or not self.windowed:  # after a run its scheduler stays, but nothing would stop
+        stage = getattr(self.stage, "name", None)
+        # after a run its scheduler stays, but nothing would stop; at AFTER_TRAINING the run has ended already
+        if scheduler is None or not self.windowed or stage == "AFTER_TRAINING":
+            at = f" (asked at {stage})" if stage is not None else ""
             raise RuntimeError(
-                f"ctx.request_stop({reason!r}): no run is in progress; call it from a hook during TrainingStrategy.run()"
+                f"ctx.request_stop({reason!r}): no run is in progress to stop{at}; stop requests are taken from a "
+                "hook during TrainingStrategy.run(), from BEFORE_TRAINING until its last step's AFTER_EPOCH"
             )
         scheduler.request_stop(reason)
 

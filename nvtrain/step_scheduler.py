@@ -762,11 +762,12 @@ class StepScheduler:
         and the epoch is reopened there if read again."""
         self._reader.release(self._position)
 
-    def continue_from(self, previous: StepScheduler) -> None:
-        """Go on where ``previous`` (the last run's scheduler over the same loader) stopped.
+    def continue_from(self, previous: StepScheduler, *, step: int | None = None) -> None:
+        """Go on where ``previous`` (the last run's scheduler, over this loader or the same data) stopped.
 
         Its position is loaded (:meth:`load_state_dict`: a ValueError when this run's batch
-        configuration cannot take it). When ``previous`` still holds the epoch's live
+        configuration cannot take it); ``step``, when given, replaces its step count (steps
+        taken outside a run since, by ``train_batch()``). When ``previous`` still holds the epoch's live
         iterator right at that position, and nothing else has read from it or reset it since
         (a loader with persistent workers resets its one iterator at every ``iter()``), this
         scheduler reads on from it, so the data
@@ -774,7 +775,10 @@ class StepScheduler:
         epoch is reopened at the position, which a one-shot iterator (a generator) cannot
         do: that is a RuntimeError saying so, never a silently skipped stretch of data.
         """
-        self.load_state_dict(previous.state_dict())
+        state = previous.state_dict()
+        if step is not None:
+            state["step"] = step
+        self.load_state_dict(state)
         reader = previous._reader
         live = reader.iterator is not None and previous.epoch == self.epoch and reader.pulled == self._position
         if live and reader.loader is self.dataloader and reader.sized == self._reader.sized and reader.untouched():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import signal
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from nvtrain.batching import batch_size, device_mover, loader_batch_size
 from nvtrain.bus import HookBus
 from nvtrain.context import TrainingContext
+from nvtrain.data_cursor import is_one_shot
 from nvtrain.hook import (
     AccumulatesGradients,
     SavesCheckpoints,
@@ -44,6 +46,9 @@ from nvtrain.validation import (
 from nvtrain.validators import optional_int_at_least
 
 __all__ = ["RunResult", "TrainingStrategy"]
+
+#: validate() calls inside validate() (an AFTER_VALIDATION hook validating again) before it is refused.
+_MAX_NESTED_VALIDATIONS = 16
 
 S = TrainingStage
 # Stage members bound once: an enum attribute lookup per stage would cost on every micro-batch.
@@ -245,6 +250,10 @@ class TrainingStrategy:
     #: What is left of a completed epoch's end work (validation, per-epoch LR step, AFTER_EPOCH); still set
     #: when that work raised, so that the next run() finishes it before the next epoch starts.
     _unfinished_epoch_end: _EpochEnd | None = attrs.field(init=False, default=None)
+    #: Held by run() and train_batch(): one of them at a time (a hook calling one, another thread) is refused.
+    _busy: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
+    _busy_with: str = attrs.field(init=False, default="", repr=False)
+    _validation_depth: int = attrs.field(init=False, default=0, repr=False)
 
     @loss_fn.validator
     def _check_loss_fn(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -335,6 +344,52 @@ class TrainingStrategy:
         """
         if train_loader is None:
             raise ValueError("TrainingStrategy.run(train_loader): a loader or iterable of batches is required")
+        self._enter("run()")
+        try:
+            return self._run(train_loader)
+        finally:
+            self._leave()
+
+    def _enter(self, call: str) -> None:
+        """Take the strategy for ``call``: a run() or train_batch() already in progress (this one called from a
+        hook, or from another thread) would move the weights and counters under it, so it is refused."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"TrainingStrategy.{call}: {self._busy_with} is in progress on this strategy (is it called from a "
+                f"hook during it, or from another thread?); one run() or train_batch() at a time"
+            )
+        self._busy_with = call
+
+    def _leave(self) -> None:
+        self._busy_with = ""
+        self._busy.release()
+
+    def _warn_open_standalone_window(self) -> None:
+        """train_batch() calls that left an accumulation window open: run() starts windows of its own, and the
+        gradients accumulated there are zeroed at its first micro-batch."""
+        ctx = self.ctx
+        if ctx.window_size > 1 and ctx.window_position < ctx.window_size - 1:
+            warnings.warn(
+                f"TrainingStrategy.run(): train_batch() left an accumulation window open (micro-batch "
+                f"{ctx.window_position + 1} of {ctx.window_size}, no optimizer step yet); run() starts its own "
+                "windows, so the gradients accumulated there are dropped. Call train_batch() until the window's "
+                "last micro-batch first to keep them",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _refuse_while_busy(self, call: str, why: str) -> None:
+        """``call`` is refused while a run() or train_batch() is in progress, except at BEFORE_TRAINING (where a
+        resume loads a state): ``why`` says what it would do there."""
+        ctx = self.ctx
+        if self._busy.locked() and not (ctx.windowed and ctx.stage is _BEFORE_TRAINING):
+            raise RuntimeError(
+                f"TrainingStrategy.{call} during {self._busy_with} (at {ctx.stage.name if ctx.stage else 'no stage'}): "
+                f"{why}; call it at BEFORE_TRAINING, or between runs"
+            )
+
+    def _run(self, train_loader: Iterable[Any]) -> RunResult:
+        self._warn_open_standalone_window()
         self.registry.begin_run(self.ctx)  # refuses slots without an owner (the orchestrator unregistered by hand)
         ctx, bus = self.ctx, self.registry.bus
         self._set_up(train_loader)
@@ -359,10 +414,12 @@ class TrainingStrategy:
         try:
             with scheduler:
                 ctx.stage = _BEFORE_TRAINING
-                bus.before_training(ctx)
-                self._follow_scheduler(scheduler)
+                try:
+                    bus.before_training(ctx)
+                finally:  # a resume there loaded a position: a retry after a later hook raised starts from it
+                    self._follow_scheduler(scheduler)
                 if scheduler.training_done and not scheduler.validation_owed and self._unfinished_epoch_end is None:
-                    warnings.warn(_nothing_to_train(scheduler), RuntimeWarning, stacklevel=2)
+                    warnings.warn(_nothing_to_train(scheduler), RuntimeWarning, stacklevel=3)
                 self._finish_interrupted_epoch_end(scheduler)
                 if scheduler.validation_owed:
                     self._validate_owed(scheduler)
@@ -516,9 +573,15 @@ class TrainingStrategy:
         scheduler.finish_step_required = True  # the loop closes every window itself, after DO_OPTIMIZER_STEP
         self._ensure_accumulation(scheduler, accumulation)
         previous = ctx.scheduler
-        if isinstance(previous, StepScheduler) and previous.dataloader is loader:
+        # Where the last run stopped: on its live iterator when the loader is the same; a new loader object over
+        # the same data (a DataLoader made again) reopens an epoch the last run stopped inside, as a resume does
+        # (at an epoch's end it starts the next one anyway). A new one-shot iterator (a generator) is a new
+        # stream. Steps taken by train_batch() since count on.
+        if isinstance(previous, StepScheduler) and (
+            previous.dataloader is loader or (previous.state_dict()["position"] and not is_one_shot(loader))
+        ):
             try:
-                scheduler.continue_from(previous)  # where the last run stopped, on its live iterator if it can
+                scheduler.continue_from(previous, step=ctx.step_count)
             except ValueError as err:
                 stopped = previous.state_dict()
                 warnings.warn(
@@ -526,7 +589,7 @@ class TrainingStrategy:
                     f"{stopped['epoch'] + 1}, which this run's batch configuration cannot continue ({err}); the "
                     "epoch starts again from its first micro-batch",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
         return scheduler
 
@@ -593,6 +656,13 @@ class TrainingStrategy:
         Like ``run()``, it leaves ``ctx.outputs`` and ``ctx.loss`` detached from the micro-batch's
         autograd graph (:meth:`TrainingContext.release_step_graph`).
         """
+        self._enter("train_batch()")
+        try:
+            return self._train_one_batch(batch)
+        finally:
+            self._leave()
+
+    def _train_one_batch(self, batch: Any) -> torch.Tensor | None:
         self.setup()
         ctx = self.ctx
         placer = self.registry.orchestrator.window_placer
@@ -692,6 +762,11 @@ class TrainingStrategy:
         only take a new ``train_loader``. A state restored before (``load_state_dict``,
         ``restore``) is applied once the optimizers exist, its data position at the next ``run()``.
         """
+        if train_loader is not None and self._busy.locked():
+            raise RuntimeError(
+                f"TrainingStrategy.setup(train_loader) during {self._busy_with}: the run reads the loader it was "
+                "given; pass the new one to the next run()"
+            )
         self._set_up(train_loader)
         if self._restore_pending:
             from nvtrain.state import apply_held_state
@@ -761,11 +836,18 @@ class TrainingStrategy:
         """
         ctx = self.ctx
         stage = ctx.stage
+        if self._validation_depth >= _MAX_NESTED_VALIDATIONS:
+            raise RuntimeError(
+                f"TrainingStrategy.validate() nested {self._validation_depth} deep: an AFTER_VALIDATION hook calls "
+                "validate() after every validation, and each fires AFTER_VALIDATION again; call it under a condition"
+            )
+        self._validation_depth += 1
         try:
             summary = self._evaluate_on_forked_streams(loader)
             self._after_validation()
         finally:
             ctx.stage = stage
+            self._validation_depth -= 1
         return summary
 
     def _evaluate(self, loader: Iterable[Any] | None) -> dict[str, Any]:
@@ -854,7 +936,7 @@ class TrainingStrategy:
             "learning rate unless a hook calls validate() during the run (give the run validation data and a "
             "cadence, or use a step or epoch schedule)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
     def _warn_cadence_beyond_the_run(self, scheduler: StepScheduler) -> None:
@@ -872,7 +954,7 @@ class TrainingStrategy:
                 f"TrainingStrategy.validation: the run never validates ({why}); shorten the cadence "
                 "(ValidationConfig every_n_steps / every_n_epochs) or lengthen the run",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
 
     def _has_validation_data(self) -> bool:
@@ -1003,6 +1085,9 @@ class TrainingStrategy:
         ``train_batch()`` or ``validate()``, or the next run's BEFORE_TRAINING)."""
         from nvtrain.state import load_state
 
+        self._refuse_while_busy(
+            "load_state_dict()", "the weights and counters would go back while the run's data position goes on"
+        )
         load_state(self, state)
         self._restore_pending = not self._is_set_up
         self._unfinished_epoch_end = None  # the loaded state's position replaces the one that work belonged to
@@ -1013,6 +1098,7 @@ class TrainingStrategy:
         nvtrain-checkpoint distribution."""
         from nvtrain.state import restore_checkpoint
 
+        self._refuse_while_busy("restore()", "the weights and counters would go back while the run's data position goes on")
         restore_checkpoint(self, path)
         self._restore_pending = not self._is_set_up
         self._unfinished_epoch_end = None
