@@ -344,6 +344,7 @@ class TrainingStrategy:
         """
         if train_loader is None:
             raise ValueError("TrainingStrategy.run(train_loader): a loader or iterable of batches is required")
+        check_batches(train_loader, "TrainingStrategy.run", "train_loader")
         self._enter("run()")
         try:
             return self._run(train_loader)
@@ -762,6 +763,8 @@ class TrainingStrategy:
         only take a new ``train_loader``. A state restored before (``load_state_dict``,
         ``restore``) is applied once the optimizers exist, its data position at the next ``run()``.
         """
+        if train_loader is not None:
+            check_batches(train_loader, "TrainingStrategy.setup", "train_loader")
         if train_loader is not None and self._busy.locked():
             raise RuntimeError(
                 f"TrainingStrategy.setup(train_loader) during {self._busy_with}: the run reads the loader it was "
@@ -1222,8 +1225,11 @@ def on_meta_device(model: torch.nn.Module) -> bool:
 def _split_pair(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
+    got = type(batch).__name__
+    if isinstance(batch, (tuple, list)):
+        got = f"a {got} of {len(batch)} item{'' if len(batch) == 1 else 's'}"
     raise TypeError(
-        f"the default forward expects batches of (inputs, targets), got {type(batch).__name__}; "
+        f"the default forward expects batches of (inputs, targets), got {got}; "
         "pass TrainingStrategy(forward_fn=...) for other batch shapes"
     )
 

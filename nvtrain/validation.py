@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -107,8 +107,15 @@ def check_batches(value: Any, owner: str, argument: str) -> None:
         raise refused(owner, argument, value, _BATCHES_EXPECTED, message=message, error=FieldTypeError)
 
 
-#: ValidationConfig.data: refused when built, not at the first validation after an epoch of training.
-_batches_or_none = satisfies(_BATCHES_EXPECTED, _iterable_of_batches, or_none=True, error=FieldTypeError)
+#: ValidationConfig.data: refused when built, not at the first validation after an epoch of training. An
+#: iterator (a generator) is read up by the first validation, and every later one would find it empty.
+_batches_or_none = satisfies(
+    f"{_BATCHES_EXPECTED} that can be read again at every validation (a generator or iterator is used up by "
+    "the first)",
+    lambda value: _iterable_of_batches(value) and not isinstance(value, Iterator),
+    or_none=True,
+    error=FieldTypeError,
+)
 
 
 @attrs.frozen
@@ -212,7 +219,10 @@ class ValidationLoop:
         finally:
             _restore_modes(tops, modes)
         if num_samples == 0:
-            raise ValueError("validation loader yielded no samples")
+            raise ValueError(
+                "validation: the validation data yielded no samples (an empty loader, batches of size 0, or an "
+                "iterator already read up)"
+            )
         summary: dict[str, Any] = {name: total / num_samples for name, total in totals.items()}
         summary["num_samples"] = num_samples
         return summary

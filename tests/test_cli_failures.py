@@ -858,3 +858,50 @@ def test_an_in_process_command_leaves_the_root_logger_and_threads_as_they_were(
     other = 2 if threads != 2 else 3
     assert main([command, str(job), *sets(f"cpu_threads={other}", "trainer.max_steps=2")]) == EXIT_OK
     assert (list(root.handlers), root.level, torch.get_num_threads()) == (handlers, level, threads)
+
+
+def test_a_failure_while_closing_the_hooks_is_part_of_the_error_line(
+    job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's error carries the hooks' close failures as notes; the one line printed kept only the error."""
+    (tmp_path / "closing.py").write_text(
+        textwrap.dedent(
+            """\
+            import errno
+            import nvtrain
+            from nvtrain.errors import TrainingDivergedError
+
+            class DivergesThenFailsToClose:
+                @nvtrain.hookimpl
+                def after_batch(self, ctx):
+                    raise TrainingDivergedError("training diverged: at once", skipped=1, step=0, epoch=0)
+
+                def close(self):
+                    raise OSError(errno.ENOSPC, "No space left on device", "final-upload")
+            """
+        ),
+        encoding="utf-8",
+    )
+    assert main(["train", str(job), *sets("hooks=[{name: 'closing:DivergesThenFailsToClose'}]")]) == 3
+    err = capsys.readouterr().err
+    assert "training diverged: at once (also: while closing hooks, OSError: [Errno 28] No space left on device" in err
+
+
+def test_a_generator_as_the_validation_loader_is_refused_at_data(
+    job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "oneshot.py").write_text(
+        textwrap.dedent(
+            """\
+            from nvtrain.builtin.digits import make_loaders
+
+            def loaders(**kwargs):
+                train, validation = make_loaders(**kwargs)
+                return train, (batch for batch in validation)
+            """
+        ),
+        encoding="utf-8",
+    )
+    assert main(["validate", str(job), *sets("data.factory=oneshot:loaders")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "oneshot:loaders returned a generator as the validation loader, which the first validation reads up" in err

@@ -229,3 +229,35 @@ def test_validate_given_what_is_not_batches_names_its_loader_argument() -> None:
     )
     with strategy, pytest.raises(TypeError, match=r"^TrainingStrategy\.validate\(loader\) must be an iterable"):
         strategy.validate(3)  # type: ignore[arg-type]
+
+
+def test_a_generator_as_validation_data_is_refused_when_built() -> None:
+    """The first validation reads it up; every later one found it empty, mid-run."""
+    with pytest.raises(TypeError, match=r"ValidationConfig\.data must be .*a generator or iterator is used up"):
+        ValidationConfig(data=(batch for batch in [(torch.ones(2, 3), torch.ones(2, 2))]))
+
+
+@pytest.mark.parametrize("call", ["run", "setup"])
+@pytest.mark.parametrize("loader", [5, "abc"], ids=["int", "str"])
+def test_run_and_setup_name_a_loader_that_is_not_batches(call: str, loader: Any) -> None:
+    """A str was iterated character by character and the forward was blamed."""
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(3, 2),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=torch.nn.functional.mse_loss,
+        device="cpu",
+    )
+    with strategy, pytest.raises(TypeError, match=rf"^TrainingStrategy\.{call}\(train_loader\) must be an iterable"):
+        getattr(strategy, call)(loader)
+
+
+def test_the_default_forward_says_how_many_items_a_batch_had() -> None:
+    strategy = nvtrain.TrainingStrategy(
+        models=torch.nn.Linear(3, 2),
+        optimizers=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=torch.nn.functional.mse_loss,
+        device="cpu",
+    )
+    batch = (torch.ones(2, 3), torch.ones(2, 2), torch.ones(2))
+    with strategy, pytest.raises(TypeError, match=r"expects batches of \(inputs, targets\), got a tuple of 3 items"):
+        strategy.run([batch])

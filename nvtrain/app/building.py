@@ -14,7 +14,7 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -563,6 +563,11 @@ def _check_iterable(loader: Any, spec: str, role: str, *, required: bool) -> Non
     if loader is None or not (hasattr(type(loader), "__iter__") or hasattr(type(loader), "__getitem__")):
         got = "None" if loader is None else f"a {type(loader).__name__}, which is not iterable"
         raise TypeError(f"{spec} returned {got} as the {role}; expected a loader or an iterable of batches")
+    if not required and isinstance(loader, Iterator):  # the validation data is read at every validation
+        raise TypeError(
+            f"{spec} returned a {type(loader).__name__} as the {role}, which the first validation reads up (every "
+            "later one would find it empty); return a DataLoader or a list of batches"
+        )
 
 
 def _scheduler_factory(plan: Plan, holder: Mapping[str, Any], fresh: dict[str, dict[str, Any]]) -> Any:

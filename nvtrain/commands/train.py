@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         plan = prepare(loaded)
     except (ConfigError, ImportError) as err:
-        return error(str(err), EXIT_USAGE)
+        return error(with_notes(err), EXIT_USAGE)
     with logs_shown():
         return _train(plan)
 
@@ -117,9 +117,9 @@ def _train(plan: Any) -> int:
     try:
         return train(plan).exit_code
     except ConfigError as err:  # found while building: nothing was trained or written
-        return error(str(err), EXIT_USAGE)
+        return error(with_notes(err), EXIT_USAGE)
     except TrainingDivergedError as err:
-        return error(str(err), EXIT_DIVERGED)
+        return error(with_notes(err), EXIT_DIVERGED)
     except OSError as err:
         full = disk_full(err)
         if full is None:
@@ -145,3 +145,10 @@ def error(message: str, code: int) -> int:
     """Print ``nvtrain train: error: <message>`` (one line) on stderr and return ``code``."""
     print(f"nvtrain train: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
     return code
+
+
+def with_notes(err: BaseException) -> str:
+    """``str(err)`` and the notes added to it on its way out (a hook that failed to close, a plot not drawn):
+    they are failures of their own, never dropped from the one line a command prints."""
+    notes = [str(note) for note in getattr(err, "__notes__", ())]
+    return str(err) + (f" (also: {'; '.join(notes)})" if notes else "")

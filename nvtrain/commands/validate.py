@@ -71,5 +71,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _refused(err: Exception, status: int) -> int:
     """One line on stderr (a message's inner line breaks folded), the exit status of a bad config."""
-    print(f"nvtrain validate: error: {' '.join(str(err).split())}", file=sys.stderr)
+    from nvtrain.commands.train import with_notes
+
+    print(f"nvtrain validate: error: {' '.join(with_notes(err).split())}", file=sys.stderr)
     return status
