@@ -467,7 +467,7 @@ def fp16(out: Path) -> None:
         strategy.run(DataLoader(TensorDataset(x, y), batch_size=LOCAL_BATCH))
         payload = {
             "params": gathered(strategy.ctx.models["main"]),
-            "scaler": type(amp.scaler).__name__,
+            "scaler": [cls.__name__ for cls in type(amp.scaler).__mro__],
             "scale": float(amp.scaler.get_scale()) if amp.scaler is not None else None,
             "skipped": steps.skipped,
             "overflow_skips": float(strategy.ctx.metrics["overflow_skips"]),

@@ -181,7 +181,7 @@ def test_ema_validation_without_reshard_after_forward_leaves_training_alone(suit
 def test_fp16_loss_scaling_skips_the_same_steps_on_every_rank(suite: Path) -> None:
     results = ranks(suite / "fp16")
     for result in results:
-        assert result["scaler"] == "ShardedGradScaler"
+        assert "ShardedGradScaler" in result["scaler"]  # torch's, or a subclass of it
         assert result["skipped"] == [2]  # the inf was in rank 1's batch only; rank 0 skipped it too
         assert result["overflow_skips"] == 1.0  # one step, not one per rank that saw the inf
         assert result["scale"] == 2.0**9  # backed off once, alike
