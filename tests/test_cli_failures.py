@@ -905,3 +905,13 @@ def test_a_generator_as_the_validation_loader_is_refused_at_data(
     assert main(["validate", str(job), *sets("data.factory=oneshot:loaders")]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "oneshot:loaders returned a generator as the validation loader, which the first validation reads up" in err
+
+
+def test_a_bug_in_a_factory_names_its_kind_and_where_it_was_raised(
+    job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KeyError inside the user's factory printed as "model: mods:build: 'out'": no kind, no place."""
+    (tmp_path / "buggy.py").write_text("def build(**kwargs):\n    return {}['out']\n", encoding="utf-8")
+    assert main(["validate", str(job), *sets("model={factory: 'buggy:build'}")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "model: buggy:build: KeyError: 'out' (at buggy.py:2 in build)" in err

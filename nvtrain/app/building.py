@@ -13,6 +13,8 @@ import functools
 import math
 import os
 import re
+import sysconfig
+import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -258,7 +260,26 @@ def _constructing(loaded: LoadedConfig, path: tuple[str | int, ...], what: str, 
         # ImportError: a factory needing what is not installed (the digits job without scikit-learn);
         # RuntimeError: what torch raises for an argument it refuses (manual_seed('abc')), as factories do too
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise loaded.error(f"{what}: {text}", _blame(loaded, path, text)) from None
+        kind = "" if isinstance(err, _SAID_REFUSALS) or text == type(err).__name__ else f"{type(err).__name__}: "
+        raise loaded.error(f"{what}: {kind}{text}{_where_raised(err)}", _blame(loaded, path, text)) from None
+
+
+#: What a factory raises on purpose to refuse its arguments; other kinds (a KeyError, an IndexError, an
+#: AssertionError) are more likely a bug in it, so the line names the kind and where it was raised.
+_SAID_REFUSALS = (ValueError, TypeError, ImportError, RuntimeError)
+
+
+def _where_raised(err: BaseException) -> str:
+    """`` (at mods.py:12 in build)``: the innermost frame of ``err`` in the user's code (outside nvtrain, torch and
+    the Python installation), or "" when it was raised elsewhere (torch refusing an argument)."""
+    paths = sysconfig.get_paths()
+    libraries = [Path(__file__).parents[1], Path(os.__file__).parent, Path(paths["purelib"]), Path(paths["platlib"])]
+    libraries.append(Path(torch.__file__).parent)  # installed elsewhere in an editable or system setup
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        filename = Path(frame.filename)
+        if not any(filename.is_relative_to(library) for library in libraries) and not frame.filename.startswith("<"):
+            return f" (at {filename.name}:{frame.lineno} in {frame.name})"
+    return ""
 
 
 def _not_refusals() -> tuple[type[BaseException], ...]:
