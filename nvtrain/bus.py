@@ -750,6 +750,19 @@ def _refuse_without_stages(plugin: object, label: str) -> None:
             f"plugin {label} implements no stage: an nvtrain plugin module provides hook classes "
             f"({_HOOKS_ATTRIBUTE}); build one with nvtrain.plugins.load(name) and register that"
         )
+    if plugin is None or isinstance(plugin, (str, bytes, int, float, type)):
+        hint = (
+            "; build one by name with nvtrain.plugins.load(" + repr(plugin) + ")"
+            if isinstance(plugin, str)
+            else "; instantiate the class first"
+            if isinstance(plugin, type)
+            else ""
+        )
+        raise TypeError(
+            f"expected a hook instance (an object with @nvtrain.hookimpl stage methods, an nvtrain.Hook or a "
+            f"TrainingUpdateHook), got {type(plugin).__name__} {plugin!r}{hint}"
+        )
+    refuse_unmarked_stage_methods(plugin)  # the usual cause: stage methods without their decorator
     raise TypeError(
         f"plugin {label} implements no stage: give it a method named after a stage "
         f"({', '.join(_STAGE_NAMES[:3])}, ...) marked @nvtrain.hookimpl, or subclass nvtrain.Hook "

@@ -66,13 +66,18 @@ class HookRegistry:
         ]
         self._orchestrator = TrainingUpdateOrchestrator(update_hooks)
         self.bus.register(self._orchestrator, TrainingUpdateOrchestrator.plugin_name)
-        for hook in hooks:
+        for index, hook in enumerate(hooks):
             if isinstance(hook, TrainingUpdateOrchestrator):
                 self._order.extend(hook.hooks)
                 for inner in hook.hooks:
                     self._enrol(inner, None)
-            else:
+                continue
+            try:
                 self._add(hook, None, None)
+            except (TypeError, ValueError) as err:  # which entry of the list, when it is not the first
+                if len(hooks) > 1:
+                    err.add_note(f"(TrainingStrategy.hooks[{index}])")
+                raise
         self.bus.route_pluggy(self._route, self._release)
         self.bus.require_slot_owners(lambda stage: self._unowned_message(f"stage {stage.name}"))
 

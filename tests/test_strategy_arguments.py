@@ -212,3 +212,30 @@ def test_a_loss_that_cannot_be_back_propagated_names_loss_fn(loss_fn: Any, messa
     with pytest.raises(ValueError, match=rf"stage DO_BACKWARD: {message}") as caught:
         strategy.run(_batches())
     assert isinstance(caught.value.__cause__, RuntimeError)  # torch's own message stays in the chain
+
+
+@pytest.mark.parametrize(
+    ("hook", "error", "message"),
+    [
+        ("ema", TypeError, r"expected a hook instance .*got str 'ema'; build one by name with nvtrain\.plugins\.load"),
+        (None, TypeError, r"expected a hook instance .*got NoneType None"),
+        (42, TypeError, r"expected a hook instance .*got int 42"),
+    ],
+    ids=["str", "none", "int"],
+)
+def test_what_is_not_a_hook_is_named_with_its_index(hook: Any, error: type[Exception], message: str) -> None:
+    """It said "plugin str implements no stage: give it a method named after a stage"."""
+    with pytest.raises(error, match=message) as caught:
+        _strategy(hooks=[nvtrain.hooks.GradientClippingHook(max_norm=1.0), hook])
+    assert caught.value.__notes__ == ["(TrainingStrategy.hooks[1])"]
+
+
+def test_a_hook_whose_stage_methods_all_lack_the_decorator_names_one() -> None:
+    """Every method unmarked gave "implements no stage"; some unmarked, a ValueError naming the method."""
+
+    class Unmarked:
+        def after_batch(self, ctx: Any) -> None:
+            pass
+
+    with pytest.raises(ValueError, match=r"method 'after_batch' is named after a stage but is not marked"):
+        _strategy(hooks=[Unmarked()])
