@@ -50,7 +50,10 @@ def test_clipping_foreach_keeps_its_accepted_values(value: bool | None) -> None:
 
 @pytest.mark.parametrize("value", [3.0, 7, "val.csv", b"batches"])
 def test_validation_data_that_yields_no_batches_is_refused_when_built(value: Any) -> None:
-    expected = r"^ValidationConfig\.data must be an iterable of batches \(a DataLoader, a list of batches\) or None"
+    expected = (
+        r"^ValidationConfig\.data must be an iterable of batches \(a DataLoader, a list of batches\) that can be "
+        r"read again at every validation \(a generator or iterator is used up by the first\) or None"
+    )
     with pytest.raises(TypeError, match=expected + rf" \(got {value!r}\)$".replace(".", r"\.")):
         ValidationConfig(data=value)
 
@@ -58,7 +61,7 @@ def test_validation_data_that_yields_no_batches_is_refused_when_built(value: Any
 def test_validation_data_takes_loaders_lists_sequences_and_none() -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 3)), batch_size=2)
     dataset = torch.utils.data.TensorDataset(torch.zeros(4, 3))  # a sequence: iter() takes its __getitem__
-    candidates: tuple[Any, ...] = (None, loader, _batches(), dataset, iter(_batches()))
+    candidates: tuple[Any, ...] = (None, loader, _batches(), dataset)
     for data in candidates:
         assert ValidationConfig(data=data).data is data
 
@@ -261,3 +264,8 @@ def test_the_default_forward_says_how_many_items_a_batch_had() -> None:
     batch = (torch.ones(2, 3), torch.ones(2, 2), torch.ones(2))
     with strategy, pytest.raises(TypeError, match=r"expects batches of \(inputs, targets\), got a tuple of 3 items"):
         strategy.run([batch])
+
+
+def test_loading_a_built_in_hooks_name_as_a_plugin_says_it_is_built_in() -> None:
+    with pytest.raises(PluginNotFoundError, match=r"'clip' is nvtrain's built-in GradientClippingHook: build it as "):
+        nvtrain.plugins.load("clip")

@@ -221,8 +221,14 @@ def _visible_record(name: str) -> EntryPointRecord:
         )
     if not records:
         installed = sorted({r.name for r in visible_records()})
+        builtin = shadowed_builtin(name)
         close = _close_match(name, installed)
         hint = f"; did you mean {close!r}?" if close else ""
+        if builtin is not None:  # a config's hook name, not an installed plugin's
+            hint = (
+                f"; {name!r} is nvtrain's built-in {builtin.__name__}: build it as "
+                f"nvtrain.hooks.{builtin.__name__}(...) (configs name it {name!r})"
+            )
         listed = ", ".join(installed) if installed else "none"
         raise PluginNotFoundError(
             f"no plugin named {name!r} in entry-point group {ENTRY_POINT_GROUP!r}{hint} (installed: {listed})"
