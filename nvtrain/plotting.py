@@ -127,8 +127,15 @@ def plot_metrics(csv_path: str | Path, output: str | Path | None = None, title: 
     csv_path = Path(csv_path)
     output = Path(output) if output is not None else csv_path.with_name(PLOT_NAME)
     _check_output(output, csv_path)
-    series, nonfinite = _read(csv_path)
+    rows = _read_rows(csv_path)
+    series, nonfinite = _series(rows)
     panels = _panels(series)
+    if not panels and rows:  # rows, but no number in them: not what the CSV logger writes
+        columns = [key for key in rows[0] if key not in ("step", "epoch") and key is not None]
+        raise ValueError(
+            f"{csv_path}: no numeric values in its {len(rows)} row{'' if len(rows) == 1 else 's'} (columns: "
+            f"{', '.join(columns) or 'none besides step'}); expected numbers, as the CSV logger writes them"
+        )
     if not panels:
         raise ValueError(f"{csv_path}: no values to plot yet")
     try:

@@ -110,3 +110,11 @@ def test_a_malformed_file_is_refused_naming_it(
     assert main(["plot", str(tmp_path)]) == 2  # an error line, no traceback
     err = capsys.readouterr().err
     assert err.startswith(f"nvtrain plot: error: {path}: ") and err.count("\n") == 1
+
+
+def test_rows_without_a_number_are_not_called_too_early_to_plot(tmp_path: Path) -> None:
+    """A file with rows of text said "no values to plot yet", as if the run had not logged."""
+    path = tmp_path / "bad.csv"
+    path.write_text("step,train_loss\n1,abc\n2,def\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad\.csv: no numeric values in its 2 rows \(columns: train_loss\)"):
+        plot_metrics(path)
