@@ -915,3 +915,25 @@ def test_a_bug_in_a_factory_names_its_kind_and_where_it_was_raised(
     assert main(["validate", str(job), *sets("model={factory: 'buggy:build'}")]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "model: buggy:build: KeyError: 'out' (at buggy.py:2 in build)" in err
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_a_data_factory_returning_a_list_of_batches_trains_on_it(
+    job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], count: int
+) -> None:
+    """Two batches were taken for (train, validation) and the model's forward was blamed; three were "3 items;
+    expected (train, validation)", though one loader is accepted."""
+    (tmp_path / "listed.py").write_text(
+        textwrap.dedent(
+            f"""\
+            import torch
+
+            def batches(**kwargs):
+                generator = torch.Generator().manual_seed(0)
+                return [(torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+                        for _ in range({count})]
+            """
+        ),
+        encoding="utf-8",
+    )
+    assert main(["train", str(job), *sets("data={factory: 'listed:batches'}", "trainer.max_steps=2")]) == EXIT_OK

@@ -566,15 +566,28 @@ def _split_loaders(result: Any, spec: str) -> tuple[Any, Any]:
                 f"{spec} returned a mapping with keys {sorted(result)}; expected 'train' and optionally 'validation'"
             )
         train, val = result["train"], result.get("validation", result.get("val"))
+    elif isinstance(result, (tuple, list)) and result and all(map(_looks_like_a_batch, result)):
+        train, val = result, None  # a list of batches is one loader (two of them were taken for train and val)
     elif isinstance(result, (tuple, list)):
         if len(result) != 2:
-            raise TypeError(f"{spec} returned {len(result)} items; expected (train, validation)")
+            raise TypeError(
+                f"{spec} returned a {type(result).__name__} of {len(result)} items; expected (train_loader, "
+                "validation_loader), {'train': ..., 'validation': ...} or one loader (a list of batches is one)"
+            )
         train, val = result
     else:
         train, val = result, None
     _check_iterable(train, spec, "training loader", required=True)
     _check_iterable(val, spec, "validation loader", required=False)
     return train, val
+
+
+def _looks_like_a_batch(item: Any) -> bool:
+    """A tensor, or a tuple / list / mapping of tensors: a batch, not a loader."""
+    if isinstance(item, torch.Tensor):
+        return True
+    values = list(item.values()) if isinstance(item, Mapping) else item if isinstance(item, (tuple, list)) else None
+    return bool(values) and all(isinstance(value, torch.Tensor) for value in values)
 
 
 def _check_iterable(loader: Any, spec: str, role: str, *, required: bool) -> None:
