@@ -586,8 +586,11 @@ def _looks_like_a_batch(item: Any) -> bool:
     """A tensor, or a tuple / list / mapping of tensors: a batch, not a loader."""
     if isinstance(item, torch.Tensor):
         return True
-    values = list(item.values()) if isinstance(item, Mapping) else item if isinstance(item, (tuple, list)) else None
-    return bool(values) and all(isinstance(value, torch.Tensor) for value in values)
+    if isinstance(item, Mapping):
+        item = list(item.values())
+    if not isinstance(item, (tuple, list)) or not item:
+        return False
+    return all(isinstance(value, torch.Tensor) for value in item)
 
 
 def _check_iterable(loader: Any, spec: str, role: str, *, required: bool) -> None:
