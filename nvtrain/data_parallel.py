@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import warnings
@@ -52,6 +53,7 @@ __all__ = [
     "optional_process_group",
     "rebuild_loader",
     "refuse_other_data_parallel",
+    "refuse_unknown_backend",
     "refuse_unsynchronized_models",
     "resolve_process_group",
     "samplers_of",
@@ -104,6 +106,31 @@ def resolve_process_group(
         backend=backend or default_backend(device), init_method="env://", rank=env.rank, world_size=env.world_size
     )
     return dist.group.WORLD, True
+
+
+def refuse_unknown_backend(owner: str, backend: str | None) -> None:
+    """Refuse ``owner.backend`` when torch.distributed knows no such backend, in one process too: torch only warns
+    about an unknown name and fails when it initialises the group, so a typo (``"glo"``) would surface first on
+    the cluster.
+
+    Called at SETUP, not when the hook is built: a package that registers a backend of its own may be
+    imported after the hook is built. ``"cpu:gloo,cuda:nccl"`` pairs name one backend per device type.
+    """
+    if backend is None:
+        return
+    known = [name for name in dist.Backend.backend_list if name != dist.Backend.UNDEFINED]
+    pairs = [part.partition(":") for part in backend.lower().split(",")]
+    names = [name if sep else device for device, sep, name in pairs]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        expected = f"one of {known}, or 'device:backend' pairs such as 'cpu:gloo,cuda:nccl'"
+        message = (
+            f"{owner}.backend={backend!r} names no torch.distributed backend {unknown[0]!r}{hint} "
+            f"(expected {expected})"
+        )
+        raise refused(owner, "backend", backend, expected, message=message)
 
 
 def refuse_other_data_parallel(ctx: TrainingContext, owner: object) -> None:

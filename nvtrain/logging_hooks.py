@@ -37,7 +37,8 @@ from nvtrain.step_log import StepLogReader
 from nvtrain.validators import (
     FieldTypeError,
     as_path,
-    blocking_file,
+    file_path,
+    folder_path,
     int_at_least,
     optional_bool,
     optional_int_at_least,
@@ -109,28 +110,10 @@ def _log_dir_path(value: Any) -> Path:
     return _output_path(value, "TensorBoardHook", "log_dir")
 
 
-def _csv_file_path(instance: Any, attribute: attrs.Attribute[Any], value: Path) -> None:
-    """Refused when built, not at the first logging step (an IsADirectoryError or FileExistsError then)."""
-    if value.is_dir():
-        got = f"'{value}', a directory"
-    elif (blocking := blocking_file(value.parent)) is not None:
-        got = f"'{value}': '{blocking}' is a file"
-    else:
-        return
-    owner, expected = type(instance).__name__, "a CSV file path, neither an existing directory nor under a file"
-    message = f"{owner}.{attribute.name} must be {expected} (got {got})"
-    raise refused(owner, attribute.name, value, expected, message=message)
-
-
-def _folder_path(instance: Any, attribute: attrs.Attribute[Any], value: Path) -> None:
-    """Refused when built, not at the first logging step (a FileExistsError then)."""
-    blocking = blocking_file(value)
-    if blocking is None:
-        return
-    owner, expected = type(instance).__name__, "a folder path, neither an existing file nor under one"
-    got = f"'{value}', a file" if blocking == value else f"'{value}': '{blocking}' is a file"
-    message = f"{owner}.{attribute.name} must be {expected} (got {got})"
-    raise refused(owner, attribute.name, value, expected, message=message)
+#: Refused when built, not at the first logging step (an IsADirectoryError or FileExistsError then).
+_csv_file_path = file_path("a CSV file path, neither an existing directory nor under a file")
+#: Refused when built, not at the first logging step (a FileExistsError then).
+_folder_path = folder_path()
 
 
 class LogFolderError(OSError):

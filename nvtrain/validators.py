@@ -31,8 +31,11 @@ __all__ = [
     "a_bool",
     "a_callable",
     "as_path",
+    "as_tuple",
     "blocking_file",
+    "file_path",
     "float_in_range",
+    "folder_path",
     "int_at_least",
     "non_empty_str",
     "number_above",
@@ -114,6 +117,50 @@ def as_path(value: Any, owner: str, field: str) -> Path:
     if isinstance(value, (str, os.PathLike)):
         return Path(value)
     raise refused(owner, field, value, "a path (a str or os.PathLike)", error=FieldTypeError)
+
+
+def as_tuple(value: Any, owner: str, field: str, expected: str) -> tuple[Any, ...]:
+    """``tuple(value)`` for a converter, refusing what cannot be iterated as a :class:`FieldTypeError` naming
+    ``owner.field``: a number, or a 0-d tensor or array, whose ``iter()`` says only ``iteration over a
+    0-d tensor``."""
+    try:
+        return tuple(value)
+    except TypeError as err:
+        message = f"{owner}.{field} must be {expected} (got {value!r}, which cannot be iterated: {err})"
+        raise refused(owner, field, value, expected, message=message, error=FieldTypeError) from err
+
+
+def file_path(expected: str = "a file path, neither an existing directory nor under a file") -> Validator:
+    """A path a file can be written at (a ``pathlib.Path``, after :func:`as_path`): not an existing directory,
+    nor under an existing file. Refused when the hook is built, not at its first write (an
+    ``IsADirectoryError`` or ``FileExistsError`` then, naming no setting)."""
+
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Path) -> None:
+        if value.is_dir():
+            got = f"'{value}', a directory"
+        elif (blocking := blocking_file(value.parent)) is not None:
+            got = f"'{value}': '{blocking}' is a file"
+        else:
+            return
+        owner, field = type(instance).__name__, attribute.alias or attribute.name
+        raise refused(owner, field, value, expected, message=f"{owner}.{field} must be {expected} (got {got})")
+
+    return check
+
+
+def folder_path(expected: str = "a folder path, neither an existing file nor under one") -> Validator:
+    """A path a folder can be made at (a ``pathlib.Path``, after :func:`as_path`): not an existing file, nor
+    under one. Refused when the hook is built, not at its first write (a ``FileExistsError`` then)."""
+
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Path) -> None:
+        blocking = blocking_file(value)
+        if blocking is None:
+            return
+        owner, field = type(instance).__name__, attribute.alias or attribute.name
+        got = f"'{value}', a file" if blocking == value else f"'{value}': '{blocking}' is a file"
+        raise refused(owner, field, value, expected, message=f"{owner}.{field} must be {expected} (got {got})")
+
+    return check
 
 
 def blocking_file(folder: Path) -> Path | None:

@@ -14,7 +14,14 @@ from nvtrain.distributed import dtensor_type
 from nvtrain.hook import TrainingUpdateHook
 from nvtrain.stages import TrainingStage
 from nvtrain.stash import Stash, StashKey
-from nvtrain.validators import number_above, optional_bool, optional_number_above, optional_str_tuple, strict_int
+from nvtrain.validators import (
+    as_tuple,
+    number_above,
+    optional_bool,
+    optional_number_above,
+    optional_str_tuple,
+    strict_int,
+)
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -157,12 +164,13 @@ _model_keys = optional_str_tuple("model names")
 
 
 def _as_key_tuple(value: Any) -> Any:
-    """A name or names as a tuple; anything else unchanged, for the validator to refuse."""
+    """A name or names as a tuple (an iterable that cannot be iterated, a 0-d tensor, is refused here); anything
+    else unchanged, for the validator to refuse."""
     if isinstance(value, str):
         return (value,)
     if value is None or isinstance(value, tuple) or not isinstance(value, Iterable):
         return value
-    return tuple(value)
+    return as_tuple(value, "GradientClippingHook", "model_keys", "a model name or names, or None")
 
 
 @attrs.define(eq=False)

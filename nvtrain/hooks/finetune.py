@@ -22,6 +22,7 @@ from nvtrain.validators import (
     FieldProblem,
     FieldTypeError,
     FieldValueError,
+    as_tuple,
     optional_str_tuple,
     refused,
     strict_int,
@@ -35,17 +36,33 @@ __all__ = ["ModulePatchHook", "TrainableParameterHook"]
 ModuleFactory = Callable[[torch.nn.Module], torch.nn.Module]
 
 
-def _as_patterns(value: Any) -> Any:
-    """A pattern or patterns as a tuple; anything else unchanged, for the validator to refuse."""
+_GLOBS, _MODEL_NAMES = "a glob or globs, or None", "a model name or names, or None"
+
+
+def _as_items(value: Any, owner: str, field: str, expected: str) -> Any:
+    """A pattern or name, or several, as a tuple (an iterable that cannot be iterated, a 0-d tensor, is refused
+    here naming ``owner.field``); anything else unchanged, for the validator to refuse."""
     if value is None or not isinstance(value, Iterable):
         return value
     if isinstance(value, str):
         return (value,)
-    return tuple(value)
+    return as_tuple(value, owner, field, expected)
+
+
+def _as_trainable(value: Any) -> Any:
+    return _as_items(value, "TrainableParameterHook", "trainable", _GLOBS)
 
 
 def _as_frozen(value: Any) -> Any:
-    return () if value is None else _as_patterns(value)
+    return () if value is None else _as_items(value, "TrainableParameterHook", "frozen", _GLOBS)
+
+
+def _as_trainable_model_keys(value: Any) -> Any:
+    return _as_items(value, "TrainableParameterHook", "model_keys", _MODEL_NAMES)
+
+
+def _as_patched_model_keys(value: Any) -> Any:
+    return _as_items(value, "ModulePatchHook", "model_keys", _MODEL_NAMES)
 
 
 def _patterns(instance: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...] | None) -> None:
@@ -132,9 +149,11 @@ class TrainableParameterHook(_AppliedAtSetup):
     plugin_name: ClassVar[str] = "trainable_params"
     _missed_setup: ClassVar[str] = "no requires_grad flag was set and the optimizers hold every parameter"
 
-    trainable: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_patterns)
+    trainable: tuple[str, ...] | None = attrs.field(default=None, converter=_as_trainable, validator=_patterns)
     frozen: tuple[str, ...] = attrs.field(default=(), converter=_as_frozen, validator=_patterns)
-    model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_model_keys)
+    model_keys: tuple[str, ...] | None = attrs.field(
+        default=None, converter=_as_trainable_model_keys, validator=_model_keys
+    )
     priority: int = attrs.field(default=2, validator=strict_int)
 
     #: After applying: the trainable parameter names of each touched model.
@@ -266,7 +285,9 @@ class ModulePatchHook(_AppliedAtSetup):
     _missed_setup: ClassVar[str] = "no module was replaced and the optimizers hold the old parameters"
 
     patches: dict[str, ModuleFactory] = attrs.field(converter=_as_patches, validator=_check_patches)
-    model_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_as_patterns, validator=_model_keys)
+    model_keys: tuple[str, ...] | None = attrs.field(
+        default=None, converter=_as_patched_model_keys, validator=_model_keys
+    )
     priority: int = attrs.field(default=1, validator=strict_int)
 
     #: After applying: ``(model key, qualified name)`` of every replaced submodule.

@@ -21,7 +21,7 @@ from nvtrain.hooks.clipping import (
     total_grad_norm,
 )
 from nvtrain.stages import TrainingStage
-from nvtrain.validators import int_at_least, number_above, refused, satisfies, strict_int
+from nvtrain.validators import as_tuple, int_at_least, number_above, refused, satisfies, strict_int
 
 if TYPE_CHECKING:
     from nvtrain.context import TrainingContext
@@ -40,10 +40,13 @@ _window_size = satisfies(
 
 
 def _as_tuple(value: Any) -> Any:
-    """A name or names as a tuple; anything else unchanged, for the validator to refuse."""
+    """A name or names as a tuple (an iterable that cannot be iterated, a 0-d tensor, is refused here); anything
+    else unchanged, for the validator to refuse."""
     if isinstance(value, str):
         return (value,)
-    return tuple(value) if isinstance(value, Iterable) else value
+    if not isinstance(value, Iterable):
+        return value
+    return as_tuple(value, "SpikeSkipHook", "monitor", f"one or both of {_SIGNALS}")
 
 
 def _monitor(instance: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:

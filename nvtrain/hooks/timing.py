@@ -22,7 +22,8 @@ from nvtrain.stages import BATCH_STAGES, REPLACEMENT_STAGES, TrainingStage
 from nvtrain.validators import (
     FieldProblem,
     as_path,
-    blocking_file,
+    as_tuple,
+    file_path,
     int_at_least,
     refused,
     strict_bool,
@@ -40,11 +41,14 @@ logger = logging.getLogger(__name__)
 CSV_COLUMNS = ("stage", "count", "mean_ms", "p50_ms", "p95_ms")
 
 
+_EXPECTED_STAGES = "TrainingStage values, their names or numbers"
+
+
 def _as_stages(value: Any) -> tuple[TrainingStage, ...]:
     """Stages as members, names in any case (how a config spells them) or values."""
     single = isinstance(value, (int, str)) or not isinstance(value, Iterable)
     stages: set[TrainingStage] = set()
-    for item in [value] if single else list(value):
+    for item in (value,) if single else as_tuple(value, "StageTimingHook", "stages", _EXPECTED_STAGES):
         try:
             stages.add(_as_stage(item))
         except (TypeError, ValueError, KeyError):
@@ -54,7 +58,7 @@ def _as_stages(value: Any) -> tuple[TrainingStage, ...]:
 
 def _no_stage(value: Any, item: Any) -> FieldProblem:
     """The error for ``item`` of ``value``, listing the names a config can use."""
-    expected = "TrainingStage values, their names or numbers"
+    expected = _EXPECTED_STAGES
     where = "" if item is value else f", where {item!r} is no stage"
     names = ", ".join(stage.name for stage in sorted(BATCH_STAGES))
     message = f"StageTimingHook.stages must be {expected} (got {value!r}{where}; batch stage names: {names})"
@@ -73,16 +77,8 @@ def _output_path(value: Any) -> Path:
     return as_path(value, "StageTimingHook", "output")
 
 
-def _writable_file_path(instance: Any, attribute: attrs.Attribute[Any], value: Path) -> None:
-    """Refused when built, not at the first flush (or at the end of the whole run)."""
-    owner, expected = type(instance).__name__, "a CSV file path, neither an existing directory nor under a file"
-    if value.is_dir():
-        message = f"{owner}.{attribute.name} must be {expected} (got '{value}', a directory)"
-        raise refused(owner, attribute.name, value, expected, message=message)
-    blocking = blocking_file(value.parent)
-    if blocking is not None:
-        message = f"{owner}.{attribute.name} must be {expected} (got '{value}': '{blocking}' is a file)"
-        raise refused(owner, attribute.name, value, expected, message=message)
+#: Refused when built, not at the first flush (or at the end of the whole run).
+_writable_file_path = file_path("a CSV file path, neither an existing directory nor under a file")
 
 
 def _check_stages(instance: Any, attribute: attrs.Attribute[Any], value: tuple[TrainingStage, ...]) -> None:

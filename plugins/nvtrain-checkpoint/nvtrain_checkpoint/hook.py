@@ -146,7 +146,8 @@ class CheckpointHook:
     @property
     def last_saved(self) -> tuple[int, Path] | None:
         """``(step, directory)`` of the newest checkpoint this hook knows is complete on disk: one it
-        wrote (async: once the write finished) or the one the run resumed from. None when there is none.
+        wrote (async: once the write finished), the one the run resumed from, or one of ``checkpoint_dir``
+        loaded by :meth:`load_into` (``TrainingStrategy.load_checkpoint``). None when there is none.
 
         Under ``rank_zero_only`` the other ranks learn it at the barrier after rank 0's write.
         """
@@ -173,6 +174,11 @@ class CheckpointHook:
         continue starts from its first micro-batch: the saved one when it was saved mid-epoch,
         the next one when it was saved at an epoch's end (a finished epoch is not trained again).
         Every rank calls it. Returns the checkpoint directory.
+
+        ``last_saved_step`` becomes the loaded step (the step the next run starts from). A checkpoint in
+        this hook's own directory (``checkpoint_dir``, or this rank's ``rank_<r>/`` tree) also sets
+        ``last_checkpoint_index`` and ``last_saved``, as ``resume`` does; one loaded from elsewhere
+        leaves them as they were: they name checkpoints this hook's directory holds.
         """
         if not strategy.is_set_up:
             raise RuntimeError(
@@ -188,7 +194,17 @@ class CheckpointHook:
         else:
             state = self.read_checkpoint(directory)
             load_state(strategy, state if data_position else without_data_position(state), source=source)
+        self._loaded(strategy.ctx, directory)
         return directory
+
+    def _loaded(self, ctx: nvtrain.TrainingContext, directory: Path) -> None:
+        """Record an explicitly loaded checkpoint: as on disk when it lies in this hook's own directory."""
+        step = ctx.step_count
+        self._saved_step = step
+        own_roots = {_real(self.checkpoint_dir), _real(self.checkpoint_root(ctx))}
+        if _real(directory.parent) in own_roots:
+            self.last_checkpoint_index = step
+            self._last_saved = (step, directory)
 
     def export(
         self,
@@ -660,6 +676,11 @@ def _require_directory(path: Path) -> None:
         where = "is a file" if blocking == path else f"lies under {str(blocking)!r}, which is a file"
         message = f"CheckpointHook.checkpoint_dir must be {expected}; {str(path)!r} {where}"
         raise refused("CheckpointHook", "checkpoint_dir", str(path), expected, message=message, error=FieldTypeError)
+
+
+def _real(path: Path) -> Path:
+    """``path`` with links and ``..`` resolved, so two spellings of one directory compare equal."""
+    return Path(os.path.realpath(path))
 
 
 def _no_manifest(path: Path) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 import gc
 import inspect
 import logging
@@ -25,6 +24,7 @@ from nvtrain.data_parallel import (
     check_sampler_kwargs,
     optional_process_group,
     refuse_other_data_parallel,
+    refuse_unknown_backend,
     refuse_unsynchronized_models,
     resolve_process_group,
 )
@@ -34,6 +34,7 @@ from nvtrain.validators import (
     FieldTypeError,
     FieldValueError,
     a_bool,
+    as_tuple,
     optional_bool,
     optional_non_empty_str,
     refused,
@@ -63,7 +64,7 @@ def _as_model_keys(value: Any) -> tuple[str, ...] | None:
     if not isinstance(keys, Iterable) or isinstance(keys, Mapping):
         message = f"DDPHook.model_keys must be a str, a sequence of str or None (got {value!r})"
         raise refused("DDPHook", "model_keys", value, expected, message=message, error=FieldTypeError)
-    keys = tuple(keys)
+    keys = as_tuple(keys, "DDPHook", "model_keys", expected)
     if not keys or not all(isinstance(key, str) and key for key in keys):
         message = f"DDPHook.model_keys must name at least one model by a non-empty str (got {value!r})"
         raise refused("DDPHook", "model_keys", value, expected, message=message)
@@ -71,33 +72,6 @@ def _as_model_keys(value: Any) -> tuple[str, ...] | None:
         message = f"DDPHook.model_keys names a model twice (got {value!r})"
         raise refused("DDPHook", "model_keys", value, expected, message=message)
     return keys
-
-
-def _refuse_unknown_backend(backend: str | None) -> None:
-    """Refuse a backend torch.distributed does not know, in one process too: torch only warns about an unknown
-    name and fails when it initialises the group, so a typo (``"glo"``) would surface first on the cluster.
-
-    Checked at SETUP, not when the hook is built: a package that registers a backend of its own may be
-    imported after the hook is built. ``"cpu:gloo,cuda:nccl"`` pairs name one backend per device type.
-    """
-    if backend is None:
-        return
-    known = [name for name in dist.Backend.backend_list if name != dist.Backend.UNDEFINED]
-    pairs = [part.partition(":") for part in backend.lower().split(",")]
-    names = [name if sep else device for device, sep, name in pairs]
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        expected = f"one of {known}, or 'device:backend' pairs such as 'cpu:gloo,cuda:nccl'"
-        raise FieldValueError(
-            f"DDPHook.backend={backend!r} names no torch.distributed backend {unknown[0]!r}{hint} "
-            f"(expected {expected})",
-            owner="DDPHook",
-            field="backend",
-            value=backend,
-            expected=expected,
-        )
 
 
 def _as_sampler_cls(value: Any) -> Callable[..., Any]:
@@ -184,7 +158,7 @@ class DDPHook(ShardsTrainLoader):
         self._ctx = ctx
         refuse_other_data_parallel(ctx, self)
         self._keys(ctx)  # a model_keys typo fails in one process too, as it would under torchrun
-        _refuse_unknown_backend(self.backend)
+        refuse_unknown_backend("DDPHook", self.backend)
         refuse_unsynchronized_models(ctx, "DDPHook", self.model_keys)
         if ctx.strategy is not None:
             accumulation = accumulating_hook(ctx.strategy.registry.update_hooks(), strict=False)

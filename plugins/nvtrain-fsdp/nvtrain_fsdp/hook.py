@@ -28,6 +28,7 @@ from nvtrain.data_parallel import (
     check_sampler_kwargs,
     optional_process_group,
     refuse_other_data_parallel,
+    refuse_unknown_backend,
     refuse_unsynchronized_models,
     resolve_process_group,
 )
@@ -36,6 +37,7 @@ from nvtrain.validators import (
     FieldTypeError,
     FieldValueError,
     a_bool,
+    as_tuple,
     non_empty_str,
     optional_int_at_least,
     optional_non_empty_str,
@@ -73,7 +75,7 @@ def _as_model_keys(value: Any) -> tuple[str, ...] | None:
             f"FSDPHook.model_keys must be a str, a sequence of str or None (got {value!r})",
             owner="FSDPHook", field="model_keys", value=value, expected="a str, a sequence of str or None",
         )
-    keys = tuple(keys)
+    keys = as_tuple(keys, "FSDPHook", "model_keys", "a str, a sequence of str or None")
     if not keys or not all(isinstance(key, str) and key for key in keys) or len(set(keys)) != len(keys):
         raise FieldValueError(
             f"FSDPHook.model_keys must name at least one model, each once, by a non-empty str (got {value!r})",
@@ -91,7 +93,7 @@ def _as_class_names(value: Any) -> tuple[str, ...]:
             f"FSDPHook.shard_classes must be a class name or a sequence of class names (got {value!r})",
             owner="FSDPHook", field="shard_classes", value=value, expected="a sequence of class names",
         )
-    names = tuple(names)
+    names = as_tuple(names, "FSDPHook", "shard_classes", "a class name or a sequence of class names")
     if not all(isinstance(name, str) and name.isidentifier() for name in names):
         raise FieldValueError(
             f"FSDPHook.shard_classes must hold module class names such as 'TransformerBlock' (got {value!r})",
@@ -252,6 +254,7 @@ class FSDPHook(ShardsTrainLoader):
         refuse_other_data_parallel(ctx, self)
         refuse_unsynchronized_models(ctx, "FSDPHook", self.model_keys)
         self._refuse_autocast(ctx)
+        refuse_unknown_backend("FSDPHook", self.backend)  # a typo fails in one process too, as under torchrun
         manager = getattr(ctx.strategy, "distributed_manager", None)
         group, self._owns_group = resolve_process_group(
             "FSDPHook",

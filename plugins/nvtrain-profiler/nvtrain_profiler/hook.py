@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,7 +19,8 @@ from nvtrain.validators import (
     FieldTypeError,
     FieldValueError,
     as_path,
-    blocking_file,
+    as_tuple,
+    folder_path,
     refused,
     satisfies,
     strict_bool,
@@ -46,7 +47,7 @@ def _as_activities(value: Any) -> tuple[ProfilerActivity, ...] | None:
             f"TorchProfilerHook.activities must be ProfilerActivity values or None (got {value!r})", FieldTypeError
         )
     activities = []
-    for item in items:
+    for item in as_tuple(items, "TorchProfilerHook", "activities", expected):
         if isinstance(item, str):
             if item.lower() not in _ACTIVITY_NAMES:
                 names = ", ".join(sorted(_ACTIVITY_NAMES))
@@ -82,10 +83,7 @@ def _output_dir_path(value: Any) -> Path:
     return as_path(value, "TorchProfilerHook", "output_dir")
 
 
-_output_dir = satisfies(
-    "a folder path, neither an existing file nor under one",
-    lambda value: blocking_file(value) is None,
-)
+_output_dir = folder_path()
 
 _schedule = satisfies(
     "a callable step -> ProfilerAction, e.g. torch.profiler.schedule(wait=1, warmup=1, active=3), "
@@ -136,7 +134,9 @@ class TorchProfilerHook:
     standalone ``train_batch()`` calls), advances its ``schedule`` at every
     AFTER_BATCH (one profiler step per micro-batch) and is finalised at
     AFTER_TRAINING, or when the strategy's context exits (also after an
-    exception). Each trace is a ``*.pt.trace.json`` file under
+    exception). A hook collected with its session still open (a run that raised,
+    its strategy never closed) stops the profiler then, writing no trace: torch's
+    profiler would otherwise record every op for the rest of the process. Each trace is a ``*.pt.trace.json`` file under
     ``output_dir/rank_<global rank>/torch/``, written under a temporary name and
     renamed when complete; TensorBoard's profiler plugin and chrome://tracing read it.
 
@@ -163,12 +163,9 @@ class TorchProfilerHook:
 
     #: Trace files written so far, in order.
     traces: list[Path] = attrs.field(init=False, factory=list, repr=False)
-    _session: contextlib.ExitStack | None = attrs.field(init=False, default=None, repr=False)
-    _profiler: torch.profiler.profile | None = attrs.field(init=False, default=None, repr=False)
-    #: Micro-batches since the last trace was written; a trace the session's end would write with none
-    #: (a cycle opened after the last micro-batch, a run with nothing left to train) is not written.
-    _batches_since_trace: int = attrs.field(init=False, default=0, repr=False, on_setattr=attrs.setters.NO_OP)
-    _closing: bool = attrs.field(init=False, default=False, repr=False)
+    _session: _Session | None = attrs.field(init=False, default=None, repr=False)
+    #: Stops the open session without a trace when this hook is collected unclosed; close() detaches it.
+    _abandon: weakref.finalize[[], TorchProfilerHook] | None = attrs.field(init=False, default=None, repr=False)
 
     @property
     def running(self) -> bool:
@@ -195,9 +192,8 @@ class TorchProfilerHook:
     @nvtrain.hookimpl
     def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
         """One profiler step per micro-batch: the schedule counts these."""
-        if self._profiler is not None:
-            self._batches_since_trace += 1
-            self._profiler.step()
+        if self._session is not None:
+            self._session.step()
 
     @nvtrain.hookimpl
     def after_training(self, ctx: nvtrain.TrainingContext) -> None:
@@ -206,14 +202,12 @@ class TorchProfilerHook:
 
     def close(self) -> None:
         """Finish an open session (the strategy calls this on exit, also after an exception)."""
-        session, self._session, self._profiler = self._session, None, None
+        session, self._session = self._session, None
+        if self._abandon is not None:
+            self._abandon.detach()
+            self._abandon = None
         if session is not None:
-            self._closing = True
-            try:
-                session.close()
-            finally:
-                self._closing = False
-                self._batches_since_trace = 0
+            session.close()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -222,33 +216,77 @@ class TorchProfilerHook:
             return
         trace_dir = self.trace_dir(rank)
         trace_dir.mkdir(parents=True, exist_ok=True)
-        profiler = torch.profiler.profile(
+        session = _Session.open(
+            trace_dir,
+            rank,
+            self.traces,
             activities=self.activities,
             schedule=self.schedule,
-            on_trace_ready=self._writer(trace_dir, rank),
             record_shapes=self.record_shapes,
             profile_memory=self.profile_memory,
             with_flops=self.with_flops,
         )
-        session = contextlib.ExitStack()
-        session.enter_context(profiler)
-        self._session, self._profiler = session, profiler
+        self._session = session
+        self._abandon = weakref.finalize(self, session.abandon)
+        self._abandon.atexit = False  # the process ends, and its profiler with it
 
-    def _writer(self, trace_dir: Path, rank: int) -> Callable[[torch.profiler.profile], None]:
+
+@attrs.define(eq=False)
+class _Session:
+    """One open torch.profiler session and its trace writing.
+
+    It refers to nothing of the hook (``traces`` is the hook's list), so the hook's
+    finalizer can hold it and still let the hook be collected.
+    """
+
+    trace_dir: Path
+    rank: int
+    traces: list[Path]
+    profiler: torch.profiler.profile = attrs.field(init=False)
+    #: Micro-batches since the last trace was written; a trace the session's end would write with none
+    #: (a cycle opened after the last micro-batch, a run with nothing left to train) is not written.
+    batches_since_trace: int = attrs.field(init=False, default=0, on_setattr=attrs.setters.NO_OP)
+    closing: bool = attrs.field(init=False, default=False)
+    #: Set when the session is abandoned: the trace the profiler still reports is not written.
+    discard: bool = attrs.field(init=False, default=False)
+
+    @classmethod
+    def open(cls, trace_dir: Path, rank: int, traces: list[Path], **settings: Any) -> _Session:
+        """Start a profiler (``settings``: torch.profiler.profile's arguments) that writes into ``traces``."""
+        session = cls(trace_dir, rank, traces)
+        session.profiler = torch.profiler.profile(on_trace_ready=session._write, **settings)
+        session.profiler.__enter__()
+        return session
+
+    def step(self) -> None:
+        self.batches_since_trace += 1
+        self.profiler.step()
+
+    def close(self) -> None:
+        """Stop profiling; the last cycle's trace is written unless no micro-batch reached it."""
+        self.closing = True
+        try:
+            self.profiler.__exit__(None, None, None)
+        finally:
+            self.closing = False
+            self.batches_since_trace = 0
+
+    def abandon(self) -> None:
+        """Stop profiling without writing a trace: the hook is gone, so nobody reads ``traces``."""
+        self.discard = True
+        self.close()
+
+    def _write(self, profiler: torch.profiler.profile) -> None:
         """``on_trace_ready``: export under a temporary name, then publish it with one rename."""
-
-        def write(profiler: torch.profiler.profile) -> None:
-            empty = self._closing and self._batches_since_trace == 0
-            self._batches_since_trace = 0
-            if empty:  # the session ended inside a cycle no micro-batch reached: nothing to show
-                return
-            final = trace_dir / f"rank_{rank}.{time.time_ns()}.pt.trace.json"
-            partial = final.with_name(final.name + ".partial")
-            try:
-                profiler.export_chrome_trace(str(partial))
-                os.replace(partial, final)
-            finally:
-                partial.unlink(missing_ok=True)
-            self.traces.append(final)
-
-        return write
+        empty = self.closing and self.batches_since_trace == 0
+        self.batches_since_trace = 0
+        if empty or self.discard:  # a cycle no micro-batch reached shows nothing; an abandoned one nobody reads
+            return
+        final = self.trace_dir / f"rank_{self.rank}.{time.time_ns()}.pt.trace.json"
+        partial = final.with_name(final.name + ".partial")
+        try:
+            profiler.export_chrome_trace(str(partial))
+            os.replace(partial, final)
+        finally:
+            partial.unlink(missing_ok=True)
+        self.traces.append(final)
