@@ -937,3 +937,11 @@ def test_a_data_factory_returning_a_list_of_batches_trains_on_it(
         encoding="utf-8",
     )
     assert main(["train", str(job), *sets("data={factory: 'listed:batches'}", "trainer.max_steps=2")]) == EXIT_OK
+
+
+def test_a_clipping_model_key_typo_is_refused_by_validate(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """validate said valid; train crashed at the first optimizer step with a traceback."""
+    overrides = sets("hooks=[{name: clip, max_norm: 1.0, model_keys: [enc]}]")
+    assert main(["validate", str(job), *overrides]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "GradientClippingHook.model_keys: no optimizer for model 'enc' (models with an optimizer: ['main'])" in err

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from nvtrain.distributed import dtensor_type
 from nvtrain.hook import TrainingUpdateHook
+from nvtrain.hookspecs import hookimpl
 from nvtrain.stages import TrainingStage
 from nvtrain.stash import Stash, StashKey
 from nvtrain.validators import (
@@ -20,6 +21,7 @@ from nvtrain.validators import (
     optional_bool,
     optional_number_above,
     optional_str_tuple,
+    refused,
     strict_int,
 )
 
@@ -147,16 +149,25 @@ class OptimizerParameters:
             self._key, self._params = key, list(params)
         return self._params
 
+    def check(self, optimizer_names: Iterable[str]) -> None:
+        """Refuse ``model_keys`` naming a model without an optimizer (at SETUP, before the first step)."""
+        keys, known = self.model_keys, sorted(optimizer_names)
+        missing = [key for key in keys or () if key not in known]
+        if missing:
+            raise refused(
+                self.owner,
+                "model_keys",
+                keys,
+                f"names of models with an optimizer ({known})",
+                message=f"{self.owner}.model_keys: no optimizer for model {', '.join(map(repr, missing))} "
+                f"(models with an optimizer: {known})",
+            )
+
     def _select(self, optimizers: dict[str, torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         keys = self.model_keys
         if keys is None:
             return list(optimizers.values())
-        missing = [key for key in keys if key not in optimizers]
-        if missing:
-            raise KeyError(
-                f"{self.owner}.model_keys names {missing} but the strategy built optimizers only for "
-                f"{sorted(optimizers)}"
-            )
+        self.check(optimizers)
         return [optimizers[key] for key in keys]
 
 
@@ -222,6 +233,13 @@ class GradientClippingHook(TrainingUpdateHook):
         self._metric = "grad_norm" if self.model_keys is None else "grad_norm/" + "+".join(self.model_keys)
         self._params = OptimizerParameters(self.model_keys, "GradientClippingHook")
         self._label = "GradientClippingHook" + (f"(model_keys={self.model_keys})" if self.model_keys else "")
+
+    @hookimpl
+    def setup(self, ctx: TrainingContext) -> None:
+        """A model_keys typo is refused at SETUP (``nvtrain validate`` runs it), not at the first step."""
+        strategy = getattr(ctx, "strategy", None)
+        if self.model_keys is not None and strategy is not None:
+            self._params.check(strategy.optimizers)
 
     def __call__(self, ctx: TrainingContext, stage: TrainingStage, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
         if stage is not _DO_OPTIMIZER_STEP or will_skip:

@@ -173,8 +173,8 @@ def test_model_keys_clip_only_those_models() -> None:
     assert GRAD_NORM not in clipped.ctx.stash  # a partial norm is not the total norm
 
     unknown = build([GradientClippingHook(max_norm=0.1, model_keys=("a", "c"))])
-    with pytest.raises(KeyError, match=r"GradientClippingHook\.model_keys names \['c'\]"):
-        unknown.train_batch(make_batch())
+    with pytest.raises(ValueError, match=r"GradientClippingHook\.model_keys: no optimizer for model 'c' \(models"):
+        unknown.setup()  # at SETUP, before any step: nvtrain validate runs it
 
 
 # -- only when the step will run ----------------------------------------------------------------
