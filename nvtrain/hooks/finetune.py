@@ -85,7 +85,13 @@ def _selected_models(
         return dict(models)
     missing = [key for key in keys if key not in models]
     if missing:
-        raise KeyError(f"{owner}.model_keys names {missing}, but the models are {sorted(models)}")
+        raise refused(
+            owner,
+            "model_keys",
+            keys,
+            f"names of the strategy's models ({sorted(models)})",
+            message=f"{owner}.model_keys names {missing}, but the models are {sorted(models)}",
+        )
     return {key: models[key] for key in keys}
 
 

@@ -126,7 +126,7 @@ def test_model_keys_limit_which_models_are_touched() -> None:
     hook.apply(models)
     assert all(p.requires_grad for p in models["teacher"].parameters())
     assert [n for n, p in models["student"].named_parameters() if p.requires_grad] == ["head.weight", "head.bias"]
-    with pytest.raises(KeyError, match=r"TrainableParameterHook\.model_keys names \['pupil'\]"):
+    with pytest.raises(ValueError, match=r"TrainableParameterHook\.model_keys names \['pupil'\]"):
         TrainableParameterHook(trainable="head.*", model_keys="pupil").apply(models)
 
 

@@ -251,5 +251,5 @@ def test_without_model_keys_every_model_is_patched(make_strategy: MakeStrategy) 
 
 def test_model_keys_naming_an_unknown_model_is_an_error(make_strategy: MakeStrategy) -> None:
     strategy, _ = patched(("a", "c"), make_strategy)
-    with pytest.raises(KeyError, match=r"ModulePatchHook\.model_keys names \['c'\], but the models are \['a', 'b'\]"):
+    with pytest.raises(ValueError, match=r"ModulePatchHook\.model_keys names \['c'\], but the models are \['a', 'b'\]"):
         strategy.setup()
