@@ -229,7 +229,7 @@ def _scheduler_state(name: str, scheduler: Any) -> Any:
 def check_state(state: Any, source: str = "state") -> None:
     """Refuse something that is not a state produced by :func:`capture_state`."""
     if not isinstance(state, Mapping):
-        raise TypeError(f"{source}: expected a training state dict, got {type(state).__name__}")
+        raise TypeError(f"{source} must be a training state dict (got {type(state).__name__})")
     if "format" not in state:
         raise ValueError(
             f"{source}: not a training state: it has no 'format' key (expected the keys of strategy.state_dict(): "

@@ -1091,7 +1091,7 @@ class TrainingStrategy:
         self._refuse_while_busy(
             "load_state_dict()", "the weights and counters would go back while the run's data position goes on"
         )
-        load_state(self, state)
+        load_state(self, state, "TrainingStrategy.load_state_dict(state)")
         self._restore_pending = not self._is_set_up
         self._unfinished_epoch_end = None  # the loaded state's position replaces the one that work belonged to
 

@@ -269,3 +269,19 @@ def test_the_default_forward_says_how_many_items_a_batch_had() -> None:
 def test_loading_a_built_in_hooks_name_as_a_plugin_says_it_is_built_in() -> None:
     with pytest.raises(PluginNotFoundError, match=r"'clip' is nvtrain's built-in GradientClippingHook: build it as "):
         nvtrain.plugins.load("clip")
+
+
+def test_a_state_that_is_no_mapping_names_the_call() -> None:
+    strategy = nvtrain.TrainingStrategy(
+        torch.nn.Linear(3, 1), functools.partial(torch.optim.SGD, lr=0.1), torch.nn.functional.mse_loss, device="cpu"
+    )
+    with pytest.raises(TypeError, match=r"^TrainingStrategy\.load_state_dict\(state\) must be a training state dict"):
+        strategy.load_state_dict([])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^TrainingStrategy\.load_state_dict\(state\): not a training state"):
+        strategy.load_state_dict({})
+
+
+def test_the_mixed_precision_state_that_is_no_mapping_says_so() -> None:
+    amp = pytest.importorskip("nvtrain_amp")
+    with pytest.raises(TypeError, match=r"MixedPrecisionHook\.load_state_dict\(state\) must be a mapping \(got list\)"):
+        amp.MixedPrecisionHook(precision="bf16").load_state_dict([])  # type: ignore[arg-type]

@@ -381,6 +381,8 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         Before the scaler exists (no batch yet) the state is kept and applied when
         the scaler is created.
         """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"MixedPrecisionHook.load_state_dict(state) must be a mapping (got {type(state).__name__})")
         if "precision" not in state:
             raise ValueError(
                 f"MixedPrecisionHook.load_state_dict: the state has no 'precision' entry (keys: {sorted(state)})"
