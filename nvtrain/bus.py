@@ -736,8 +736,10 @@ def _label(plugin: object, name: str | None) -> str:
 
 
 def _refuse_without_stages(plugin: object, label: str) -> None:
-    """A plugin with no marked method would never be called; say what would make it one."""
-    if _implements_a_stage(plugin):
+    """A plugin with no marked method would never be called; say what would make it one. An update hook is
+    refused even with marked methods (an observer's stage of its own): this bus alone would never call it at
+    its update stages."""
+    if _implements_a_stage(plugin) and not isinstance(plugin, TrainingUpdateHook):
         return
     if isinstance(plugin, (Hook, TrainingUpdateHook)):
         kind = "a seed-style nvtrain.Hook" if isinstance(plugin, Hook) else "an update hook"
