@@ -779,6 +779,8 @@ class StepScheduler:
         if step is not None:
             state["step"] = step
         self.load_state_dict(state)
+        if previous.dataloader is not self.dataloader:  # the same data made again: its generators go on too
+            self._take_generator_states(previous.dataloader)
         reader = previous._reader
         live = reader.iterator is not None and previous.epoch == self.epoch and reader.pulled == self._position
         if live and reader.loader is self.dataloader and reader.sized == self._reader.sized and reader.untouched():
@@ -791,6 +793,15 @@ class StepScheduler:
                 "(or its strategy was closed), and what it read past that point cannot be read again. Pass a loader "
                 "that can be iterated again (a DataLoader, a list) to continue or resume"
             )
+
+    def _take_generator_states(self, loader: Any) -> None:
+        """Give this loader's generators (its own, its sampler's) the states ``loader``'s have now, as a resume's
+        RNG states do: a loader made again starts from its seed, so its next epoch would shuffle as the first."""
+        theirs = list(loader_generators(loader).values())
+        mine = list(loader_generators(self.dataloader).values())
+        if len(theirs) == len(mine):
+            for generator, source in zip(mine, theirs, strict=True):
+                generator.set_state(source.get_state())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`); refuses a different batch / data configuration."""

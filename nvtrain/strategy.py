@@ -462,29 +462,59 @@ class TrainingStrategy:
         has_validation_data = self._has_validation_data()
         collect_garbage = scheduler.gc_every_steps is not None
         train_micro_batch = self._train_micro_batch
-        for window in scheduler:
-            size = len(window)
-            if size == 1:  # no accumulation: the common case, without the inner loop
-                ctx.window_size, ctx.window_position, ctx.sync_gradients = 1, 0, True
-                train_micro_batch(window[0], scheduler)
-            else:
-                for position, batch in enumerate(window):
-                    ctx.window_size, ctx.window_position = size, position
-                    ctx.sync_gradients = position == size - 1
-                    train_micro_batch(batch, scheduler if position == size - 1 else None)
-            if collect_garbage and scheduler.is_gc_step:
-                gc.collect()
-            if has_validation_data and scheduler.is_val_step:
-                self._validate_in_run()
-                validated_at = ctx.step_count
-                if not scheduler.is_last_step:  # a signal or stop request during validation ends the run here
-                    scheduler.poll_preemption()
-                    ctx.preempted = scheduler.sigterm_received
+        try:
+            for window in scheduler:
+                size = len(window)
+                if size == 1:  # no accumulation: the common case, without the inner loop
+                    ctx.window_size, ctx.window_position, ctx.sync_gradients = 1, 0, True
+                    train_micro_batch(window[0], scheduler)
+                else:
+                    for position, batch in enumerate(window):
+                        ctx.window_size, ctx.window_position = size, position
+                        ctx.sync_gradients = position == size - 1
+                        train_micro_batch(batch, scheduler if position == size - 1 else None)
+                if collect_garbage and scheduler.is_gc_step:
+                    gc.collect()
+                if has_validation_data and scheduler.is_val_step:
+                    self._validate_in_run()
+                    validated_at = ctx.step_count
+                    if not scheduler.is_last_step:  # a signal or stop request during validation ends the run here
+                        scheduler.poll_preemption()
+                        ctx.preempted = scheduler.sigterm_received
+        except BaseException:
+            self._leave_a_failed_window(scheduler, epoch, validated_at)
+            raise
+        self._end_epoch(scheduler, self._epoch_end(scheduler, epoch, validated_at))
+
+    def _leave_a_failed_window(self, scheduler: StepScheduler, epoch: int, validated_at: int | None) -> None:
+        """A failure inside the epoch's loop: what a later ``run()`` needs to go on as the straight run did.
+
+        A window left open is replayed whole, so its micro-batches counted so far are taken back
+        (``batch_count`` counted them twice). A failure after the step that ended the epoch (at its
+        AFTER_OPTIMIZER_STEP, AFTER_BATCH or step validation) leaves that epoch's end work owed: the
+        next ``run()`` does it first, as after a failure during the end work itself.
+        """
+        ctx = self.ctx
+        if scheduler.state_dict()["epoch"] > epoch:  # the epoch's last window closed before the failure
+            self._unfinished_epoch_end = self._epoch_end(scheduler, epoch, validated_at, completed=True)
+            return
+        counted_again = ctx.epoch_step_count - scheduler.position
+        if counted_again > 0:
+            ctx.batch_count -= counted_again
+            ctx.epoch_step_count -= counted_again
+
+    def _epoch_end(
+        self, scheduler: StepScheduler, epoch: int, validated_at: int | None, *, completed: bool | None = None
+    ) -> _EpochEnd:
+        """What the end of ``epoch`` (or of the run inside it) does: its validation, per-epoch LR step, AFTER_EPOCH;
+        a completed epoch's end is kept as owed until done (a run() after a failure there finishes it).
+        ``completed``: whether the epoch's data was used up (default: the scheduler moved past it)."""
+        ctx = self.ctx
         # The epoch's end validates; so does a run's last step inside an epoch (max_steps): the run's
         # result describes its final weights. Not a stop request's step inside an epoch. A preemption at
         # a completed epoch's end saves first (the grace period is for saving) and owes the validation to
         # the resumed run; at the run's last step there is nothing to resume, so it validates now.
-        epoch_completed = scheduler.epoch > epoch
+        epoch_completed = scheduler.epoch > epoch if completed is None else completed
         # a stop request at the run's own last step (max_steps) cuts nothing short
         stopped_early = scheduler.stop_reason is not None and not epoch_completed and not scheduler.reaches_the_end
         validates = False
@@ -502,7 +532,7 @@ class TrainingStrategy:
         )
         if epoch_completed:  # kept until done: a run() after a failure here finishes it
             self._unfinished_epoch_end = end
-        self._end_epoch(scheduler, end)
+        return end
 
     def _end_epoch(self, scheduler: StepScheduler, end: _EpochEnd) -> None:
         """The epoch's end work, each part once: what a failure left is what the next ``run()`` does."""
@@ -557,6 +587,10 @@ class TrainingStrategy:
         # A run with no plugin that saves checkpoints has no checkpoint steps to validate on.
         validate_on_checkpoint = config.validate_on_checkpoint and self._saves_checkpoints()
         progressed = ctx.step_count > 0 or ctx.epoch > 0 or isinstance(ctx.scheduler, StepScheduler)
+        previous = ctx.scheduler
+        # the epoch the last run's scheduler stands at: past a finished epoch even when a failure came before
+        # AFTER_EPOCH moved ctx.epoch
+        stopped_epoch = previous.state_dict()["epoch"] if isinstance(previous, StepScheduler) else ctx.epoch
         scheduler = config.create(
             global_batch_size=global_batch_size,
             local_batch_size=local_batch_size,
@@ -565,7 +599,7 @@ class TrainingStrategy:
             val_every_steps=[every for every in val_every if every is not None],
             validate_on_checkpoint=validate_on_checkpoint,
             start_step=ctx.step_count if progressed else config.start_step,
-            start_epoch=ctx.epoch if progressed else config.start_epoch,
+            start_epoch=stopped_epoch if progressed else config.start_epoch,
             num_epochs=num_epochs,
             max_steps=max_steps,
             process_group=self._scheduler_group(),
@@ -573,18 +607,17 @@ class TrainingStrategy:
         )
         scheduler.finish_step_required = True  # the loop closes every window itself, after DO_OPTIMIZER_STEP
         self._ensure_accumulation(scheduler, accumulation)
-        previous = ctx.scheduler
         # Where the last run stopped: on its live iterator when the loader is the same; a new loader object over
-        # the same data (a DataLoader made again) reopens an epoch the last run stopped inside, as a resume does
-        # (at an epoch's end it starts the next one anyway). A new one-shot iterator (a generator) is a new
-        # stream. Steps taken by train_batch() since count on.
-        if isinstance(previous, StepScheduler) and (
-            previous.dataloader is loader or (previous.state_dict()["position"] and not is_one_shot(loader))
-        ):
+        # the same data (a DataLoader made again) reopens the epoch there, as a resume does, with the epoch's
+        # saved random state; other data starts the next epoch whole. A new one-shot iterator (a generator) is a
+        # new stream. Steps taken by train_batch() since count on.
+        if isinstance(previous, StepScheduler) and (previous.dataloader is loader or not is_one_shot(loader)):
             try:
                 scheduler.continue_from(previous, step=ctx.step_count)
             except ValueError as err:
                 stopped = previous.state_dict()
+                if not stopped["position"]:  # at an epoch's start nothing is lost: it starts whole on the new data
+                    return scheduler
                 warnings.warn(
                     f"TrainingStrategy.run(): the last run stopped at micro-batch {stopped['position']} of epoch "
                     f"{stopped['epoch'] + 1}, which this run's batch configuration cannot continue ({err}); the "

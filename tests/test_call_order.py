@@ -259,3 +259,28 @@ def test_a_stop_request_where_no_run_can_stop_is_refused_naming_the_stage(stage:
         RuntimeError, match=rf"request_stop\('now'\): no run is in progress to stop \(asked at {stage.upper()}\)"
     ):
         strategy.run(_data(2))
+
+
+def test_a_loader_with_a_generator_of_its_own_made_again_goes_on_shuffling_as_the_straight_run() -> None:
+    """Its generator starts from its seed: the next epoch repeated the first one's order."""
+    dataset = _dataset()
+
+    def loader() -> DataLoader[Any]:
+        return DataLoader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5))
+
+    class Order:
+        def __init__(self) -> None:
+            self.seen: list[list[float]] = []
+
+        @nvtrain.hookimpl
+        def after_forward(self, ctx: nvtrain.TrainingContext) -> None:
+            self.seen.append(ctx.batch[1].flatten().tolist())
+
+    straight, continued = Order(), Order()
+    with _strategy([straight], num_epochs=2) as strategy:
+        strategy.run(loader())
+    with _strategy([continued], max_steps=2) as strategy:
+        strategy.run(loader())
+        strategy.max_steps, strategy.num_epochs = None, 2
+        strategy.run(loader())
+    assert continued.seen == straight.seen
