@@ -779,7 +779,7 @@ class StepScheduler:
         if step is not None:
             state["step"] = step
         self.load_state_dict(state)
-        if previous.dataloader is not self.dataloader:  # the same data made again: its generators go on too
+        if previous.dataloader is not self.dataloader:  # a loader made again over the data: its generators go on
             self._take_generator_states(previous.dataloader)
         reader = previous._reader
         live = reader.iterator is not None and previous.epoch == self.epoch and reader.pulled == self._position

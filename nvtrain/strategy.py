@@ -607,17 +607,29 @@ class TrainingStrategy:
         )
         scheduler.finish_step_required = True  # the loop closes every window itself, after DO_OPTIMIZER_STEP
         self._ensure_accumulation(scheduler, accumulation)
-        # Where the last run stopped: on its live iterator when the loader is the same; a new loader object over
-        # the same data (a DataLoader made again) reopens the epoch there, as a resume does, with the epoch's
-        # saved random state; other data starts the next epoch whole. A new one-shot iterator (a generator) is a
-        # new stream. Steps taken by train_batch() since count on.
-        if isinstance(previous, StepScheduler) and (previous.dataloader is loader or not is_one_shot(loader)):
-            try:
-                scheduler.continue_from(previous, step=ctx.step_count)
-            except ValueError as err:
-                stopped = previous.state_dict()
-                if not stopped["position"]:  # at an epoch's start nothing is lost: it starts whole on the new data
-                    return scheduler
+        # Where the last run stopped: on its live iterator when the loader is the same; a DataLoader made again
+        # over the same data set object reopens the epoch there, as a resume does, with the epoch's saved random
+        # state. Other data (another data set object, a new list or generator) starts at the epoch's first
+        # micro-batch. Steps taken by train_batch() since count on.
+        if not isinstance(previous, StepScheduler):
+            return scheduler
+        if previous.dataloader is not loader and not _over_the_same_data_set(previous.dataloader, loader):
+            stopped = previous.state_dict()
+            if stopped["position"] and not is_one_shot(loader):
+                warnings.warn(
+                    f"TrainingStrategy.run(): the last run stopped at micro-batch {stopped['position']} of epoch "
+                    f"{stopped['epoch'] + 1}; this run's loader is not over the same data set object, so the epoch "
+                    "starts from its first micro-batch (to continue it, pass the same loader, or a DataLoader over "
+                    "the same data set object)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return scheduler
+        try:
+            scheduler.continue_from(previous, step=ctx.step_count)
+        except ValueError as err:
+            stopped = previous.state_dict()
+            if stopped["position"]:  # at an epoch's start nothing is lost: the epoch starts whole anyway
                 warnings.warn(
                     f"TrainingStrategy.run(): the last run stopped at micro-batch {stopped['position']} of epoch "
                     f"{stopped['epoch'] + 1}, which this run's batch configuration cannot continue ({err}); the "
@@ -1265,6 +1277,13 @@ def _split_pair(batch: Any) -> tuple[Any, Any]:
         f"the default forward expects batches of (inputs, targets), got {got}; "
         "pass TrainingStrategy(forward_fn=...) for other batch shapes"
     )
+
+
+def _over_the_same_data_set(previous: Any, loader: Any) -> bool:
+    """Whether two loaders read one data set object (a DataLoader made again over it): only then does the
+    last run's position and sample order mean the same samples in the new one."""
+    dataset = getattr(previous, "dataset", None)
+    return dataset is not None and dataset is getattr(loader, "dataset", None)
 
 
 def _nothing_to_train(scheduler: StepScheduler) -> str:

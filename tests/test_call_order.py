@@ -156,16 +156,51 @@ def _dataset() -> TensorDataset:
 def test_a_new_loader_over_the_same_data_continues_the_epoch_the_last_run_stopped_in() -> None:
     """The notebook pattern: the DataLoader made again after a stop in the middle of an epoch. It continues as
     a resume does; it restarted the epoch, training three batches twice."""
+    dataset = _dataset()
     strategy = _strategy(max_steps=3)
     with strategy:
-        strategy.run(DataLoader(_dataset(), batch_size=2))
+        strategy.run(DataLoader(dataset, batch_size=2))
         strategy.max_steps = None
         strategy.num_epochs = 1
-        assert strategy.run(DataLoader(_dataset(), batch_size=2)).step_count == 8
+        assert strategy.run(DataLoader(dataset, batch_size=2)).step_count == 8
     straight = _strategy(num_epochs=1)
     with straight:
-        straight.run(DataLoader(_dataset(), batch_size=2))
+        straight.run(DataLoader(dataset, batch_size=2))
     assert all(torch.equal(a, b) for a, b in zip(_weights(strategy), _weights(straight), strict=True))
+
+
+def test_a_loader_over_other_data_starts_at_its_first_micro_batch() -> None:
+    """Another data set of the same size passed every configuration check, and its first samples were skipped."""
+
+    class Seen:
+        def __init__(self) -> None:
+            self.targets: list[float] = []
+
+        @nvtrain.hookimpl
+        def after_forward(self, ctx: nvtrain.TrainingContext) -> None:
+            self.targets += ctx.batch[1].flatten().tolist()
+
+    first = TensorDataset(torch.zeros(8, 4), torch.arange(100.0, 108.0).unsqueeze(1))
+    other = TensorDataset(torch.zeros(8, 4), torch.arange(500.0, 508.0).unsqueeze(1))
+    seen = Seen()
+    strategy = _strategy([seen], max_steps=3)
+    with strategy:
+        strategy.run(DataLoader(first, batch_size=1))
+        strategy.max_steps = None
+        strategy.num_epochs = 1
+        with pytest.warns(RuntimeWarning, match=r"not over the same data set object, so the epoch starts from its fi"):
+            strategy.run(DataLoader(other, batch_size=1))
+    assert seen.targets == [100.0, 101.0, 102.0, *range(500, 508)]
+
+
+def test_a_batch_configuration_the_stopped_epoch_cannot_take_is_said() -> None:
+    dataset = _dataset()
+    strategy = _strategy(max_steps=3)
+    with strategy:
+        strategy.run(DataLoader(dataset, batch_size=2))
+        strategy.max_steps = 10
+        with pytest.warns(RuntimeWarning, match=r"stopped at micro-batch 3 of epoch 1, which this run's batch config"):
+            strategy.run(DataLoader(dataset, batch_size=4))
 
 
 def test_a_new_loader_the_stopped_epoch_cannot_continue_on_is_said() -> None:
@@ -173,7 +208,7 @@ def test_a_new_loader_the_stopped_epoch_cannot_continue_on_is_said() -> None:
     with strategy:
         strategy.run(DataLoader(_dataset(), batch_size=2))
         strategy.max_steps = 10
-        with pytest.warns(RuntimeWarning, match=r"stopped at micro-batch 3 of epoch 1, which this run's batch"):
+        with pytest.warns(RuntimeWarning, match=r"stopped at micro-batch 3 of epoch 1; this run's loader is not over"):
             strategy.run(_data(5))
 
 

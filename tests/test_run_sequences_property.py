@@ -306,7 +306,9 @@ def _through_a_file(state: dict[str, Any]) -> dict[str, Any]:
     return torch.load(buffer, weights_only=True)  # type: ignore[no-any-return]
 
 
+@functools.cache
 def _dataset(config: Config) -> TensorDataset:
+    """One data set object per configuration: a loader made again reads the same data (docs/run-control.md)."""
     data = torch.Generator().manual_seed(3)
     return TensorDataset(torch.randn(config.samples, 3, generator=data), torch.randn(config.samples, 2, generator=data))
 
