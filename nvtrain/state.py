@@ -726,6 +726,7 @@ def load_state(strategy: TrainingStrategy, state: Mapping[str, Any], source: str
     position waits for the next run; called during BEFORE_TRAINING, nothing waits.
     """
     check_state(state, source)
+    strategy.refuse_mid_run(f"loading {source}", "the weights and counters would go back while the run's data goes on")
     in_run_start = applies_data_position_now(strategy)
     if not strategy.is_set_up:
         _pending(strategy).hold(state, source, scheduler_only=False)

@@ -379,14 +379,15 @@ class TrainingStrategy:
                 stacklevel=4,
             )
 
-    def _refuse_while_busy(self, call: str, why: str) -> None:
-        """``call`` is refused while a run() or train_batch() is in progress, except at BEFORE_TRAINING (where a
-        resume loads a state): ``why`` says what it would do there."""
+    def refuse_mid_run(self, what: str, why: str) -> None:
+        """Refuse ``what`` (``"TrainingStrategy.restore()"``, ``"loading checkpoint '...'"``) while a run() or
+        train_batch() is in progress, except at BEFORE_TRAINING, where a resume loads a state; ``why`` says
+        what it would do there. Loading a state calls it, whichever way it comes."""
         ctx = self.ctx
         if self._busy.locked() and not (ctx.windowed and ctx.stage is _BEFORE_TRAINING):
             raise RuntimeError(
-                f"TrainingStrategy.{call} during {self._busy_with} (at {ctx.stage.name if ctx.stage else 'no stage'}): "
-                f"{why}; call it at BEFORE_TRAINING, or between runs"
+                f"{what} during {self._busy_with} (at {ctx.stage.name if ctx.stage else 'no stage'}): {why}; "
+                "do it at BEFORE_TRAINING, or between runs"
             )
 
     def _run(self, train_loader: Iterable[Any]) -> RunResult:
@@ -1133,8 +1134,9 @@ class TrainingStrategy:
         ``train_batch()`` or ``validate()``, or the next run's BEFORE_TRAINING)."""
         from nvtrain.state import load_state
 
-        self._refuse_while_busy(
-            "load_state_dict()", "the weights and counters would go back while the run's data position goes on"
+        self.refuse_mid_run(
+            "TrainingStrategy.load_state_dict()",
+            "the weights and counters would go back while the run's data position goes on",
         )
         load_state(self, state, "TrainingStrategy.load_state_dict(state)")
         self._restore_pending = not self._is_set_up
@@ -1146,7 +1148,9 @@ class TrainingStrategy:
         nvtrain-checkpoint distribution."""
         from nvtrain.state import restore_checkpoint
 
-        self._refuse_while_busy("restore()", "the weights and counters would go back while the run's data position goes on")
+        self.refuse_mid_run(
+            "TrainingStrategy.restore()", "the weights and counters would go back while the run's data position goes on"
+        )
         restore_checkpoint(self, path)
         self._restore_pending = not self._is_set_up
         self._unfinished_epoch_end = None

@@ -319,3 +319,22 @@ def test_a_loader_with_a_generator_of_its_own_made_again_goes_on_shuffling_as_th
         strategy.max_steps, strategy.num_epochs = None, 2
         strategy.run(loader())
     assert continued.seen == straight.seen
+
+
+def test_a_checkpoint_loaded_by_a_hook_inside_a_run_is_refused(tmp_path: Any) -> None:
+    """CheckpointHook.load_into() at AFTER_BATCH rewound the counters while the run's data position went on."""
+    checkpoint = pytest.importorskip("nvtrain_checkpoint")
+    hook = checkpoint.CheckpointHook(tmp_path, step_interval=2)
+
+    def load_step_2(ctx: nvtrain.TrainingContext) -> None:
+        hook.load_into(ctx.strategy, tmp_path / "step_2")
+
+    class LoadsAtStep4:
+        @nvtrain.hookimpl
+        def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+            if ctx.step_count == 4:
+                load_step_2(ctx)
+
+    strategy = _strategy([hook, LoadsAtStep4()], max_steps=6)
+    with strategy, pytest.raises(RuntimeError, match=r"loading checkpoint '.*step_2' during run\(\) \(at AFTER_BATCH\)"):
+        strategy.run(_data(8))
