@@ -31,6 +31,8 @@ __all__ = ["MixedPrecisionHook"]
 
 #: What DTensor says of the one-element tensor the sharded scaler's inf check hands it (see create_sharded_scaler).
 _REPLICATED_SCALAR_WARNING = "Found a non-scalar tensor with numel=1 and ndim!=0"
+#: The modules DTensor raises it from (warnings' ``module`` filter: a regular expression matched at the start).
+_DTENSOR_DISPATCH = r"torch\.distributed\._?tensor\."
 
 
 def _fits_int64(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
@@ -193,17 +195,12 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         skips the same steps. Override to substitute another (a ``torch.amp.GradScaler`` subclass)."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        class QuietShardedGradScaler(ShardedGradScaler):
-            """Its inf check hands a plain one-element tensor to an op over DTensor gradients; DTensor warns that
-            it treats it as replicated, which is what the scaler means (it all-reduces the result itself). The
-            warning is silenced there alone, not for the rest of the process."""
-
-            def _unscale_grads_(self, *args: Any, **kwargs: Any) -> Any:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=_REPLICATED_SCALAR_WARNING)
-                    return super()._unscale_grads_(*args, **kwargs)
-
-        return QuietShardedGradScaler(device_type, process_group=process_group, **self._scaler_settings())
+        # Its inf check hands a plain one-element tensor to an op over DTensor gradients; DTensor warns that it
+        # treats it as replicated, which is what the scaler means (it all-reduces the result itself). One filter,
+        # for DTensor's dispatch alone: entering warnings.catch_warnings() around every step would cost each step
+        # and reset every call site's once-only warnings, so a user's warning would show again at every step.
+        warnings.filterwarnings("ignore", message=_REPLICATED_SCALAR_WARNING, module=_DTENSOR_DISPATCH)
+        return ShardedGradScaler(device_type, process_group=process_group, **self._scaler_settings())
 
     def _scaler_settings(self) -> dict[str, Any]:
         return {
