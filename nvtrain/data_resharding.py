@@ -19,7 +19,7 @@ from typing import Any
 from torch.utils.data import BatchSampler, DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from nvtrain.data_cursor import is_stateful_dataloader
+from nvtrain.data_cursor import is_stateful_dataloader, is_torchdata_class
 
 __all__ = ["global_order", "order_differences", "resharded_position", "sampler_kind"]
 
@@ -53,11 +53,21 @@ def sampler_kind(loader: Any) -> str | None:
     """
     if not isinstance(loader, DataLoader):
         return None
-    kind = type(loader.sampler).__qualname__
+    kind = _sampler_name(loader.sampler)
     batch_sampler = loader.batch_sampler
-    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+    plain = type(batch_sampler) is BatchSampler or is_torchdata_class(batch_sampler, "BatchSampler")
+    if batch_sampler is not None and not plain:
         kind += f"+{type(batch_sampler).__qualname__}"
     return kind
+
+
+def _sampler_name(sampler: Any) -> str:
+    """A sampler's class as far as its order goes: a sequential one is the same whoever implements it; torchdata's
+    stateful samplers (which a StatefulDataLoader puts in place of torch's) draw otherwise than torch's."""
+    cls = type(sampler)
+    if cls.__name__ == "SequentialSampler":
+        return "SequentialSampler"
+    return f"torchdata {cls.__qualname__}" if cls.__module__.startswith("torchdata") else cls.__qualname__
 
 
 def order_differences(saved: dict[str, Any], mine: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -107,12 +108,21 @@ def check_batches(value: Any, owner: str, argument: str) -> None:
         raise refused(owner, argument, value, _BATCHES_EXPECTED, message=message, error=FieldTypeError)
 
 
-#: ValidationConfig.data: refused when built, not at the first validation after an epoch of training. An
-#: iterator (a generator) is read up by the first validation, and every later one would find it empty.
+def read_up_by_one_pass(value: Any) -> bool:
+    """Whether iterating ``value`` uses it up for good: a generator, or one of Python's own iterators
+    (``iter(list)``, ``map``, ``zip``, itertools'). An iterator class of a library's (one that restarts after
+    its end, as some data pipelines' do) is taken at its word."""
+    if isinstance(value, types.GeneratorType):
+        return True
+    return isinstance(value, Iterator) and type(value).__module__ in ("builtins", "itertools")
+
+
+#: ValidationConfig.data: refused when built, not at the first validation after an epoch of training. A
+#: generator is read up by the first validation, and every later one would find it empty.
 _batches_or_none = satisfies(
     f"{_BATCHES_EXPECTED} that can be read again at every validation (a generator or iterator is used up by "
     "the first)",
-    lambda value: _iterable_of_batches(value) and not isinstance(value, Iterator),
+    lambda value: _iterable_of_batches(value) and not read_up_by_one_pass(value),
     or_none=True,
     error=FieldTypeError,
 )

@@ -285,3 +285,26 @@ def test_the_mixed_precision_state_that_is_no_mapping_says_so() -> None:
     amp = pytest.importorskip("nvtrain_amp")
     with pytest.raises(TypeError, match=r"MixedPrecisionHook\.load_state_dict\(state\) must be a mapping \(got list\)"):
         amp.MixedPrecisionHook(precision="bf16").load_state_dict([])  # type: ignore[arg-type]
+
+
+def test_an_iterator_class_that_restarts_after_its_end_is_taken_as_validation_data() -> None:
+    """Some data pipelines' iterators are their own iter() and start again after StopIteration."""
+
+    class Restarts:
+        def __init__(self) -> None:
+            self.position = 0
+
+        def __iter__(self) -> Restarts:
+            return self
+
+        def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.position == 2:
+                self.position = 0
+                raise StopIteration
+            self.position += 1
+            return torch.ones(2, 3), torch.ones(2, 2)
+
+    data = Restarts()
+    assert ValidationConfig(data=data).data is data
+    with pytest.raises(TypeError, match=r"a generator or iterator is used up by the first"):
+        ValidationConfig(data=iter([(torch.ones(2, 3), torch.ones(2, 2))]))

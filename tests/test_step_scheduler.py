@@ -715,3 +715,14 @@ def test_a_switch_takes_a_bool_only(name: str, value: Any) -> None:
     """"no" would read as True, 1 as a number: the switch is refused, as StepSchedulerConfig refuses it."""
     with pytest.raises(TypeError, match=rf"StepScheduler\.{name} must be True or False \(got {value!r}\)"):
         make(list(range(4)), **{name: value})
+
+
+def test_a_stateful_data_loader_reads_the_same_sequential_order_and_another_shuffled_one() -> None:
+    """torch's and torchdata's sequential samplers give one order; their random samplers draw otherwise."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+    from nvtrain.data_resharding import sampler_kind
+
+    data = list(range(8))
+    assert sampler_kind(DataLoader(data, batch_size=2)) == sampler_kind(stateful(data, batch_size=2))
+    assert sampler_kind(DataLoader(data, batch_size=2, shuffle=True)) == "RandomSampler"
+    assert sampler_kind(stateful(data, batch_size=2, shuffle=True)) == "torchdata RandomSampler"

@@ -16,7 +16,7 @@ import re
 import sysconfig
 import traceback
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from nvtrain.atomic_files import name_max
 from nvtrain.batching import loader_batch_size
 from nvtrain.config import LoadedConfig, RunConfig
 from nvtrain.hook import SavesCheckpoints, accumulating_hook
+from nvtrain.validation import read_up_by_one_pass
 
 if TYPE_CHECKING:
     from nvtrain.app.checking import Plan
@@ -600,7 +601,7 @@ def _check_iterable(loader: Any, spec: str, role: str, *, required: bool) -> Non
     if loader is None or not (hasattr(type(loader), "__iter__") or hasattr(type(loader), "__getitem__")):
         got = "None" if loader is None else f"a {type(loader).__name__}, which is not iterable"
         raise TypeError(f"{spec} returned {got} as the {role}; expected a loader or an iterable of batches")
-    if not required and isinstance(loader, Iterator):  # the validation data is read at every validation
+    if not required and read_up_by_one_pass(loader):  # the validation data is read at every validation
         raise TypeError(
             f"{spec} returned a {type(loader).__name__} as the {role}, which the first validation reads up (every "
             "later one would find it empty); return a DataLoader or a list of batches"

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class _StderrHandler:
-    """Marker base: the handler ``show_logs`` installs (so it is installed once)."""
+    """Marker base: the handler ``logs_shown`` installs (so it is installed once)."""
 
 
 @contextlib.contextmanager
