@@ -497,7 +497,12 @@ class TrainingStrategy:
         """
         ctx = self.ctx
         if scheduler.state_dict()["epoch"] > epoch:  # the epoch's last window closed before the failure
-            self._unfinished_epoch_end = self._epoch_end(scheduler, epoch, validated_at, completed=True)
+            end = self._epoch_end(scheduler, epoch, validated_at, completed=True)
+            if validated_at != ctx.step_count and ctx.validation_step == ctx.step_count:
+                # that step's validation was computed (a metric-driven LR scheduler stepped with it) and its
+                # AFTER_VALIDATION raised: that stage runs again, the summary is not computed twice
+                end.evaluate, end.announce = False, True
+            self._unfinished_epoch_end = end
             return
         counted_again = ctx.epoch_step_count - scheduler.position
         if counted_again > 0:

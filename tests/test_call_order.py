@@ -338,3 +338,38 @@ def test_a_checkpoint_loaded_by_a_hook_inside_a_run_is_refused(tmp_path: Any) ->
     strategy = _strategy([hook, LoadsAtStep4()], max_steps=6)
     with strategy, pytest.raises(RuntimeError, match=r"loading checkpoint '.*step_2' during run\(\) \(at AFTER_BATCH\)"):
         strategy.run(_data(8))
+
+
+def test_a_failing_after_validation_of_an_epochs_last_step_is_not_computed_twice() -> None:
+    """The step's validation was computed (a plateau scheduler stepped with it), then AFTER_VALIDATION raised:
+    the retry fired it again and computed the summary again, stepping the plateau scheduler twice."""
+
+    class Validations:
+        def __init__(self, fail_at: int | None) -> None:
+            self.steps: list[int] = []
+            self.fail_at = fail_at
+
+        @nvtrain.hookimpl
+        def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
+            self.steps.append(ctx.step_count)
+            if ctx.step_count == self.fail_at:
+                self.fail_at = None
+                raise RuntimeError("once")
+
+    def plateau_steps(fail_at: int | None) -> tuple[list[int], int]:
+        seen = Validations(fail_at)
+        validation = nvtrain.ValidationConfig(data=_data(2, seed=1), every_n_steps=2, every_n_epochs=1)
+        schedule = nvtrain.LRSchedule(functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, patience=0))
+        strategy = _strategy([seen], num_epochs=2, validation=validation, lr_schedulers=schedule)
+        with strategy:
+            try:
+                strategy.run(_data(4))
+            except RuntimeError:
+                strategy.run(_data(4))
+        return seen.steps, strategy.ctx.lr_schedulers["main"].last_epoch
+
+    straight_steps, straight_plateau = plateau_steps(None)
+    retried_steps, retried_plateau = plateau_steps(4)
+    assert retried_plateau == straight_plateau == 4
+    assert retried_steps == [2, 4, 4, 6, 8]  # the stage that raised runs again whole, as documented
+    assert straight_steps == [2, 4, 6, 8]
