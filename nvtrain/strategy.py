@@ -253,6 +253,7 @@ class TrainingStrategy:
     #: Held by run() and train_batch(): one of them at a time (a hook calling one, another thread) is refused.
     _busy: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
     _busy_with: str = attrs.field(init=False, default="", repr=False)
+    _busy_thread: int = attrs.field(init=False, default=0, repr=False)
     _validation_depth: int = attrs.field(init=False, default=0, repr=False)
 
     @loss_fn.validator
@@ -359,7 +360,15 @@ class TrainingStrategy:
                 f"TrainingStrategy.{call}: {self._busy_with} is in progress on this strategy (is it called from a "
                 f"hook during it, or from another thread?); one run() or train_batch() at a time"
             )
-        self._busy_with = call
+        self._busy_with, self._busy_thread = call, threading.get_ident()
+
+    def _refuse_from_another_thread(self, call: str, why: str) -> None:
+        """``call`` from a thread other than the one running run() or train_batch() would act under its step."""
+        if self._busy.locked() and self._busy_thread != threading.get_ident():
+            raise RuntimeError(
+                f"TrainingStrategy.{call} from another thread during {self._busy_with}: {why}; call it from a hook, "
+                "or once the run returned"
+            )
 
     def _leave(self) -> None:
         self._busy_with = ""
@@ -888,6 +897,7 @@ class TrainingStrategy:
         Called from a hook (a baseline validation at BEFORE_TRAINING), it leaves ``ctx.stage``
         as it found it, so the stage's later hooks (a resume) see the stage they run in.
         """
+        self._refuse_from_another_thread("validate()", "it would switch the models to eval mode under the training step")
         ctx = self.ctx
         stage = ctx.stage
         if self._validation_depth >= _MAX_NESTED_VALIDATIONS:
@@ -1132,6 +1142,7 @@ class TrainingStrategy:
         states), as live references like ``nn.Module.state_dict()``."""
         from nvtrain.state import capture_state
 
+        self._refuse_from_another_thread("state_dict()", "the state would mix the step in progress with the last")
         return capture_state(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

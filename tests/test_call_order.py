@@ -373,3 +373,32 @@ def test_a_failing_after_validation_of_an_epochs_last_step_is_not_computed_twice
     assert retried_plateau == straight_plateau == 4
     assert retried_steps == [2, 4, 4, 6, 8]  # the stage that raised runs again whole, as documented
     assert straight_steps == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("call", ["validate", "state_dict"])
+def test_another_thread_cannot_validate_or_take_the_state_during_a_run(call: str) -> None:
+    """validate() from a second thread switched the models to eval mode under the training steps."""
+    started, tried = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def wait_for_the_other_thread(ctx: nvtrain.TrainingContext) -> None:
+        started.set()
+        assert tried.wait(30)
+
+    def second() -> None:
+        assert started.wait(30)
+        try:
+            getattr(strategy, call)()
+        except RuntimeError as err:
+            errors.append(err)
+        finally:
+            tried.set()
+
+    validation = nvtrain.ValidationConfig(data=_data(1), every_n_epochs=None)
+    strategy = _strategy([_at("after_batch", wait_for_the_other_thread)], max_steps=2, validation=validation)
+    thread = threading.Thread(target=second)
+    thread.start()
+    with strategy:
+        strategy.run(_data(4))
+    thread.join(30)
+    assert len(errors) == 1 and f"{call}() from another thread during run()" in str(errors[0])
