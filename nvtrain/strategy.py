@@ -502,11 +502,14 @@ class TrainingStrategy:
         A window left open is replayed whole, so its micro-batches counted so far are taken back
         (``batch_count`` counted them twice). A failure after the step that ended the epoch (at its
         AFTER_OPTIMIZER_STEP, AFTER_BATCH or step validation) leaves that epoch's end work owed: the
-        next ``run()`` does it first, as after a failure during the end work itself.
+        next ``run()`` does it first, as after a failure during the end work itself; so does a failure after
+        the run's own last step inside an epoch (``max_steps``), when the next run has nothing more to train.
         """
         ctx = self.ctx
-        if scheduler.state_dict()["epoch"] > epoch:  # the epoch's last window closed before the failure
-            end = self._epoch_end(scheduler, epoch, validated_at, completed=True)
+        completed = scheduler.state_dict()["epoch"] > epoch  # the epoch's last window closed before the failure
+        closed = ctx.epoch_step_count == scheduler.position
+        if completed or (closed and scheduler.reaches_the_end):  # or the run's own last step (max_steps) did
+            end = self._epoch_end(scheduler, epoch, validated_at, completed=completed)
             if validated_at != ctx.step_count and ctx.validation_step == ctx.step_count:
                 # that step's validation was computed (a metric-driven LR scheduler stepped with it) and its
                 # AFTER_VALIDATION raised: that stage runs again, the summary is not computed twice
@@ -575,7 +578,11 @@ class TrainingStrategy:
         end, ctx = self._unfinished_epoch_end, self.ctx
         if end is None:
             return
-        if scheduler.epoch != end.epoch + 1 or scheduler.position != 0 or ctx.step_count != end.step_count:
+        after_the_epoch = scheduler.epoch == end.epoch + 1 and scheduler.position == 0
+        # the run's last step inside an epoch: finished only when this run has nothing more to train (a raised
+        # max_steps trains on, and that step is no longer the run's last)
+        at_the_run_end = (scheduler.epoch, scheduler.position) == (end.epoch, end.epoch_step_count)
+        if not (after_the_epoch or (at_the_run_end and scheduler.training_done)) or ctx.step_count != end.step_count:
             self._unfinished_epoch_end = None
             return
         ctx.epoch, ctx.epoch_step_count = end.epoch, end.epoch_step_count

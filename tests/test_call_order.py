@@ -402,3 +402,42 @@ def test_another_thread_cannot_validate_or_take_the_state_during_a_run(call: str
         strategy.run(_data(4))
     thread.join(30)
     assert len(errors) == 1 and f"{call}() from another thread during run()" in str(errors[0])
+
+
+@pytest.mark.parametrize(("raised_max_steps", "validated"), [(None, [3]), (4, [4])], ids=["same-bound", "raised"])
+def test_a_failure_after_the_runs_last_step_inside_an_epoch_leaves_its_end_to_the_next_run(
+    raised_max_steps: int | None, validated: list[int]
+) -> None:
+    """max_steps ends the run inside an epoch: that step is validated. A failure at its AFTER_BATCH left the
+    retry nothing to train and the validation undone; with max_steps raised, the step is no longer the last."""
+
+    class Validations:
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        @nvtrain.hookimpl
+        def after_validation(self, ctx: nvtrain.TrainingContext) -> None:
+            self.steps.append(ctx.step_count)
+
+    seen = Validations()
+    validation = nvtrain.ValidationConfig(data=_data(1, seed=1))
+    strategy = _strategy([seen, _FailsOnceAfterBatch(3)], max_steps=3, validation=validation)
+    data = _data(4)
+    with strategy:
+        with pytest.raises(RuntimeError, match="once"):
+            strategy.run(data)
+        if raised_max_steps is not None:
+            strategy.max_steps = raised_max_steps
+        strategy.run(data)
+    assert seen.steps == validated
+
+
+class _FailsOnceAfterBatch:
+    def __init__(self, step: int) -> None:
+        self.step: int | None = step
+
+    @nvtrain.hookimpl
+    def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
+        if ctx.step_count == self.step:
+            self.step = None
+            raise RuntimeError("once")
