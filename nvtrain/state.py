@@ -718,7 +718,9 @@ class PendingRestore:
             raise
 
 
-def load_state(strategy: TrainingStrategy, state: Mapping[str, Any], source: str = "state") -> None:
+def load_state(
+    strategy: TrainingStrategy, state: Mapping[str, Any], source: str = "state", *, held: bool = False
+) -> None:
     """Restore ``state`` now where possible, the rest at the next run's BEFORE_TRAINING.
 
     Before the strategy is set up (no optimizers yet) everything waits for the run.
@@ -726,7 +728,10 @@ def load_state(strategy: TrainingStrategy, state: Mapping[str, Any], source: str
     position waits for the next run; called during BEFORE_TRAINING, nothing waits.
     """
     check_state(state, source)
-    strategy.refuse_mid_run(f"loading {source}", "the weights and counters would go back while the run's data goes on")
+    if not held:  # a state held from before the run is applied at its SETUP, where it belongs
+        strategy.refuse_mid_run(
+            f"loading {source}", "the weights and counters would go back while the run's data goes on"
+        )
     in_run_start = applies_data_position_now(strategy)
     if not strategy.is_set_up:
         _pending(strategy).hold(state, source, scheduler_only=False)
@@ -754,7 +759,7 @@ def apply_held_state(strategy: TrainingStrategy) -> None:
         if isinstance(plugin, PendingRestore) and plugin.state is not None and not plugin.scheduler_only:
             state, source, plugin.state = plugin.state, plugin.source, None
             try:
-                load_state(strategy, state, source)
+                load_state(strategy, state, source, held=True)
             except BaseException:
                 plugin.hold(state, source, scheduler_only=False)  # a retry applies all of it, not the rest
                 raise
