@@ -730,7 +730,7 @@ def load_state(
     check_state(state, source)
     if not held:  # a state held from before the run is applied at its SETUP, where it belongs
         strategy.refuse_mid_run(
-            f"loading {source}", "the weights and counters would go back while the run's data goes on"
+            f"{source}: loading a state", "the weights and counters would go back while the run's data goes on"
         )
     in_run_start = applies_data_position_now(strategy)
     if not strategy.is_set_up:

@@ -389,9 +389,9 @@ class TrainingStrategy:
             )
 
     def refuse_mid_run(self, what: str, why: str) -> None:
-        """Refuse ``what`` (``"TrainingStrategy.restore()"``, ``"loading checkpoint '...'"``) while a run() or
-        train_batch() is in progress, except at BEFORE_TRAINING, where a resume loads a state; ``why`` says
-        what it would do there. Loading a state calls it, whichever way it comes."""
+        """Refuse ``what`` while a run() or train_batch() is in progress, except at BEFORE_TRAINING, where a resume
+        loads a state; ``why`` says what it would do there. :func:`nvtrain.state.load_state` calls it, so loading
+        a state is refused whichever way it comes (``load_state_dict``, ``restore``, a hook's ``load_into``)."""
         ctx = self.ctx
         if self._busy.locked() and not (ctx.windowed and ctx.stage is _BEFORE_TRAINING):
             raise RuntimeError(
@@ -1157,10 +1157,6 @@ class TrainingStrategy:
         ``train_batch()`` or ``validate()``, or the next run's BEFORE_TRAINING)."""
         from nvtrain.state import load_state
 
-        self.refuse_mid_run(
-            "TrainingStrategy.load_state_dict()",
-            "the weights and counters would go back while the run's data position goes on",
-        )
         load_state(self, state, "TrainingStrategy.load_state_dict(state)")
         self._restore_pending = not self._is_set_up
         self._unfinished_epoch_end = None  # the loaded state's position replaces the one that work belonged to
@@ -1171,9 +1167,6 @@ class TrainingStrategy:
         nvtrain-checkpoint distribution."""
         from nvtrain.state import restore_checkpoint
 
-        self.refuse_mid_run(
-            "TrainingStrategy.restore()", "the weights and counters would go back while the run's data position goes on"
-        )
         restore_checkpoint(self, path)
         self._restore_pending = not self._is_set_up
         self._unfinished_epoch_end = None

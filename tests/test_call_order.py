@@ -69,7 +69,9 @@ def test_a_hook_starting_training_during_a_run_is_refused(stage: str, call: Any)
         strategy.run(_data(8))
 
 
-def test_a_second_thread_cannot_run_the_same_strategy() -> None:
+def _a_second_thread_calls(call: str, **fields: Any) -> tuple[nvtrain.RunResult, list[BaseException]]:
+    """Run a strategy while a second thread calls ``strategy.<call>()`` in the middle of its first step; the run's
+    result and what the second thread raised."""
     started, tried = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
@@ -80,19 +82,24 @@ def test_a_second_thread_cannot_run_the_same_strategy() -> None:
     def second() -> None:
         assert started.wait(30)
         try:
-            strategy.run(_data(4))
+            getattr(strategy, call)(*([_data(4)] if call == "run" else []))
         except RuntimeError as err:
             errors.append(err)
         finally:
             tried.set()
 
-    strategy = _strategy([_at("after_batch", wait_for_the_other_thread)], max_steps=3)
+    strategy = _strategy([_at("after_batch", wait_for_the_other_thread)], **fields)
     thread = threading.Thread(target=second)
     thread.start()
     with strategy, warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the other thread cannot catch preemption signals
         result = strategy.run(_data(8))
     thread.join(30)
+    return result, errors
+
+
+def test_a_second_thread_cannot_run_the_same_strategy() -> None:
+    result, errors = _a_second_thread_calls("run", max_steps=3)
     assert result.step_count == 3
     assert len(errors) == 1 and "run() is in progress on this strategy" in str(errors[0])
 
@@ -100,7 +107,7 @@ def test_a_second_thread_cannot_run_the_same_strategy() -> None:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda ctx: ctx.strategy.load_state_dict(ctx.strategy.state_dict()), r"load_state_dict\(\) during run\(\)"),
+        (lambda ctx: ctx.strategy.load_state_dict(ctx.strategy.state_dict()), r"load_state_dict\(state\): loading a state during run\(\)"),
         (lambda ctx: ctx.strategy.setup(_data(3)), r"setup\(train_loader\) during run\(\)"),
     ],
     ids=["load-state-dict", "setup-with-a-loader"],
@@ -336,7 +343,7 @@ def test_a_checkpoint_loaded_by_a_hook_inside_a_run_is_refused(tmp_path: Any) ->
                 load_step_2(ctx)
 
     strategy = _strategy([hook, LoadsAtStep4()], max_steps=6)
-    with strategy, pytest.raises(RuntimeError, match=r"loading checkpoint '.*step_2' during run\(\) \(at AFTER_BATCH\)"):
+    with strategy, pytest.raises(RuntimeError, match=r"checkpoint '.*step_2': loading a state during run\(\) \(at AFTER_BATCH\)"):
         strategy.run(_data(8))
 
 
@@ -378,29 +385,8 @@ def test_a_failing_after_validation_of_an_epochs_last_step_is_not_computed_twice
 @pytest.mark.parametrize("call", ["validate", "state_dict"])
 def test_another_thread_cannot_validate_or_take_the_state_during_a_run(call: str) -> None:
     """validate() from a second thread switched the models to eval mode under the training steps."""
-    started, tried = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def wait_for_the_other_thread(ctx: nvtrain.TrainingContext) -> None:
-        started.set()
-        assert tried.wait(30)
-
-    def second() -> None:
-        assert started.wait(30)
-        try:
-            getattr(strategy, call)()
-        except RuntimeError as err:
-            errors.append(err)
-        finally:
-            tried.set()
-
     validation = nvtrain.ValidationConfig(data=_data(1), every_n_epochs=None)
-    strategy = _strategy([_at("after_batch", wait_for_the_other_thread)], max_steps=2, validation=validation)
-    thread = threading.Thread(target=second)
-    thread.start()
-    with strategy:
-        strategy.run(_data(4))
-    thread.join(30)
+    _, errors = _a_second_thread_calls(call, max_steps=2, validation=validation)
     assert len(errors) == 1 and f"{call}() from another thread during run()" in str(errors[0])
 
 

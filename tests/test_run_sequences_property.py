@@ -52,22 +52,14 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 import nvtrain
+from nvtrain import stages
 from nvtrain.hooks import GradientAccumulationHook
 from nvtrain.step_scheduler import StepSchedulerConfig
 from nvtrain.validation import ValidationConfig
 
 #: The stages an interruption can hit that fire once per micro-batch (the orchestrator owns the DO_ slots).
-BATCH_STAGES = (
-    "before_batch",
-    "before_forward",
-    "after_forward",
-    "before_loss",
-    "after_loss",
-    "before_backward",
-    "after_backward",
-    "before_optimizer_step",
-    "after_optimizer_step",
-    "after_batch",
+BATCH_STAGES = tuple(
+    stage.name.lower() for stage in sorted(stages.BATCH_STAGES) if stage not in stages.REPLACEMENT_STAGES
 )
 #: The others (AFTER_TRAINING refuses a stop request: the run has ended).
 RUN_STAGES = ("before_training", "before_epoch", "after_epoch", "after_validation")

@@ -136,7 +136,8 @@ class TorchProfilerHook:
     AFTER_TRAINING, or when the strategy's context exits (also after an
     exception). A hook collected with its session still open (a run that raised,
     its strategy never closed) stops the profiler then, writing no trace: torch's
-    profiler would otherwise record every op for the rest of the process. Each trace is a ``*.pt.trace.json`` file under
+    profiler would otherwise record every op for the rest of the process. Each
+    trace is a ``*.pt.trace.json`` file under
     ``output_dir/rank_<global rank>/torch/``, written under a temporary name and
     renamed when complete; TensorBoard's profiler plugin and chrome://tracing read it.
 
