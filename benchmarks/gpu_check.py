@@ -18,7 +18,10 @@ parameters), ``small`` MLP 256->1024->256 batch 64 (launch-bound), ``tiny``
    run's start and end and the steps a busy host disturbed; the targets are read
    from these ratios, the whole-run ones are reported next to them. Last, the
    host work per step as a count of Python calls (one more run of each loop,
-   under cProfile): exact where the timings differ by less than the noise.
+   under cProfile): exact where the timings differ by less than the noise. On
+   CUDA, the peak device memory of one more run of each, above what was allocated
+   when it began: a loop that keeps a micro-batch's outputs into the next forward
+   shows them here.
 2. **Checkpoint cost**, reported apart from the loop: a save every
    ``--checkpoint-every`` steps (and at the end of the run). The hand-written
    loop writes as durably as ``CheckpointHook`` does (``torch.save`` to a
@@ -82,6 +85,7 @@ from harness import (
     hand_written_workload,
     make_batches,
     measure,
+    peak_device_memory,
     python_calls_per_unit,
     ratio,
     strategy_workload,
@@ -457,6 +461,17 @@ def loop_cost(spec: MLPSpec, device: torch.device, steps: int, rounds: int) -> d
         ),
         names[3]: python_calls_per_unit(strategy_workload(spec, batches, lambda: standard_stack(precision), device=device)),
     }
+    # Peak device memory above the run's start (CUDA only): what a loop keeps alive between micro-batches.
+    peak = {
+        names[0]: peak_device_memory(hand_written_workload(spec, batches, device=device), device),
+        names[1]: peak_device_memory(strategy_workload(spec, batches, device=device), device),
+        names[2]: peak_device_memory(
+            hand_written_workload(spec, batches, make_step=hand_written_stack(device, dtype), device=device), device
+        ),
+        names[3]: peak_device_memory(
+            strategy_workload(spec, batches, lambda: standard_stack(precision), device=device), device
+        ),
+    }
     # When the device is the bottleneck the host runs ahead and then waits in bursts, so its single-step
     # intervals say nothing about the step; they do when the host is (a launch-bound model).
     launch_bound = steady[names[0]]["median"] >= 0.9 * timings[names[0]].median
@@ -471,6 +486,7 @@ def loop_cost(spec: MLPSpec, device: torch.device, steps: int, rounds: int) -> d
         "steady_ratio_no_plugins": _steady_ratio(steady[names[1]], steady[names[0]]),
         "steady_ratio_standard_stack": _steady_ratio(steady[names[3]], steady[names[2]]),
         "python_calls_per_step": calls,
+        "peak_memory_bytes": peak,
     }
 
 
@@ -713,6 +729,14 @@ def print_report(report: dict[str, Any]) -> None:
             f"bare {calls[0]:.0f}, nvtrain {calls[1]:.0f} ({calls[1] - calls[0]:+.0f}); "
             f"hand-written stack {calls[2]:.0f}, standard stack {calls[3]:.0f} ({calls[3] - calls[2]:+.0f})"
         )
+        peak = list(loop["peak_memory_bytes"].values())
+        if None not in peak:
+            print(
+                "  peak device memory above the run's start: "
+                f"bare {_size(peak[0])}, nvtrain {_size(peak[1])} ({(peak[1] - peak[0]) / 1e6:+.1f} MB); "
+                f"hand-written stack {_size(peak[2])}, standard stack {_size(peak[3])} "
+                f"({(peak[3] - peak[2]) / 1e6:+.1f} MB)"
+            )
         ckpt = model["checkpoint"]
         print(f"  checkpoint cost (a save every {ckpt['every']} steps and at the end):")
         for name, figures in ckpt["per_step"].items():

@@ -60,6 +60,7 @@ __all__ = [
     "make_model",
     "measure",
     "noop_observer",
+    "peak_device_memory",
     "python_calls_per_unit",
     "ratio",
     "strategy_workload",
@@ -194,6 +195,28 @@ def python_calls_per_unit(workload: Workload) -> float:
         if workload.cleanup is not None:
             workload.cleanup(state)
     return pstats.Stats(profile).total_calls / (workload.repeats * workload.units)  # type: ignore[attr-defined]
+
+
+def peak_device_memory(workload: Workload, device: torch.device) -> int | None:
+    """Bytes of CUDA memory a ``run`` allocates at its peak above what was allocated when it began (the model,
+    its optimizer and the batches, made by ``prepare``); None off CUDA, where torch keeps no such count.
+
+    Two loops doing the same work differ here only by what one of them keeps alive longer: a loop that
+    holds a micro-batch's outputs through the next forward shows them once more at its peak.
+    """
+    if device.type != "cuda":
+        return None
+    state = workload.prepare()
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        workload.run(state)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    finally:
+        if workload.cleanup is not None:
+            workload.cleanup(state)
 
 
 # -- no-op plugins ----------------------------------------------------------------------------------

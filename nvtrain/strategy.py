@@ -751,6 +751,9 @@ class TrainingStrategy:
         """All batch stages for one micro-batch; ``boundary`` closes the scheduler's step after DO_OPTIMIZER_STEP."""
         ctx, registry = self.ctx, self.registry
         bus = registry.bus
+        # the last micro-batch's batch, outputs and losses go before this one is moved and run forward: kept,
+        # they would sit on the device through the next forward (a language model's logits: gigabytes of peak)
+        ctx.batch = ctx.outputs = ctx.loss = ctx.backward_loss = None
         ctx.batch = self._move_batch(batch)
         ctx.stage = _BEFORE_BATCH
         registry.orchestrator.settle_zeroing(bus.before_batch(ctx), registry.before_batch_voters)

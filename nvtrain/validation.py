@@ -217,15 +217,7 @@ class ValidationLoop:
         try:
             with torch.no_grad():
                 for batch in loader:
-                    with self.autocast():
-                        outputs, targets, size = self.forward(models, batch)
-                        values = {"loss": self.loss_fn(outputs, targets)}
-                        for name, metric in self.metrics.items():
-                            values[name] = metric(outputs, targets)
-                    for name, value in values.items():
-                        weighted = value.detach().float() * size
-                        totals[name] = totals[name] + weighted if name in totals else weighted
-                    num_samples += size
+                    num_samples += self._add_batch(models, batch, totals)
         finally:
             _restore_modes(tops, modes)
         if num_samples == 0:
@@ -236,6 +228,19 @@ class ValidationLoop:
         summary: dict[str, Any] = {name: total / num_samples for name, total in totals.items()}
         summary["num_samples"] = num_samples
         return summary
+
+    def _add_batch(self, models: Mapping[str, torch.nn.Module], batch: Any, totals: dict[str, torch.Tensor]) -> int:
+        """Add one batch's size-weighted values to ``totals``; returns its size. A function of its own so that
+        its outputs are freed on return, not kept through the next batch's forward (twice the peak memory)."""
+        with self.autocast():
+            outputs, targets, size = self.forward(models, batch)
+            values = {"loss": self.loss_fn(outputs, targets)}
+            for name, metric in self.metrics.items():
+                values[name] = metric(outputs, targets)
+        for name, value in values.items():
+            weighted = value.detach().float() * size
+            totals[name] = totals[name] + weighted if name in totals else weighted
+        return size
 
 
 def _module_modes(models: Mapping[str, torch.nn.Module]) -> list[tuple[torch.nn.Module, bool]]:

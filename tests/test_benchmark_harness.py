@@ -129,3 +129,38 @@ def test_inert_loss_backward_does_nothing(harness: ModuleType) -> None:
     loss = harness.inert_loss()
     assert isinstance(loss, torch.Tensor)
     assert loss.backward() is None
+
+
+def test_peak_device_memory_is_the_runs_peak_above_its_start(
+    harness: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA branch with torch.cuda's counters stood in for: peak minus what the run began with, the
+    counters reset after ``prepare`` (whose allocations are the model's, not the loop's), cleanup always run."""
+    allocated = {"now": 0, "peak": 0}
+    calls: list[str] = []
+
+    def allocate(nbytes: int) -> None:
+        allocated["now"] += nbytes
+        allocated["peak"] = max(allocated["peak"], allocated["now"])
+
+    def reset(device: Any) -> None:
+        calls.append("reset")
+        allocated["peak"] = allocated["now"]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
+
+    def prepare() -> None:
+        allocate(1000)  # the model: before the counters are reset
+
+    def run(state: None) -> None:
+        allocate(300)  # one micro-batch's outputs...
+        allocate(200)  # ...and, kept into the next forward, the next one's too
+        allocate(-500)
+
+    workload = harness.Workload(run, prepare, cleanup=lambda state: calls.append("cleanup"))
+    assert harness.peak_device_memory(workload, torch.device("cuda", 0)) == 500
+    assert calls == ["synchronize", "reset", "synchronize", "cleanup"]
+    assert harness.peak_device_memory(workload, torch.device("cpu")) is None  # no such counter off CUDA
