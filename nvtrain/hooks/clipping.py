@@ -63,17 +63,25 @@ PRE_CLIP_NORMS: StashKey[tuple[int, list[PreClipNorm]]] = StashKey("pre_clip_nor
 
 
 def total_grad_norm(
-    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, foreach: bool | None = None
+    parameters: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+    *,
+    has_shards: bool | None = None,
 ) -> torch.Tensor:
     """Total ``norm_type`` norm of the gradients of ``parameters``, as a plain tensor (no host sync).
 
     Gradients that are DTensor shards (FSDP) count with their whole tensor: torch's norm
     of them is a DTensor, reduced over the shards' ranks here (one small all-reduce), so
-    every rank gets the norm of the full gradient, as one process would.
+    every rank gets the norm of the full gradient, as one process would. ``has_shards=False``
+    says no parameter is a DTensor (:class:`OptimizerParameters` knows it), which spares a
+    look at every gradient on every step; ``True`` or None looks.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
+    if has_shards is False:
+        return torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
     dtensor = dtensor_type()
     sharded = [g for g in grads if dtensor is not None and isinstance(g, dtensor)]
     if not sharded:
@@ -122,16 +130,18 @@ class OptimizerParameters:
     """The parameters of the optimizers built for ``model_keys`` (all when None), once each.
 
     The list is rebuilt only when the optimizers or their parameter groups change,
-    not on every step.
+    not on every step; so is ``has_shards``, whether any of them is a DTensor (FSDP),
+    which spares :func:`total_grad_norm` a look at every gradient on every step.
     """
 
-    __slots__ = ("_key", "_params", "model_keys", "owner")
+    __slots__ = ("_key", "_params", "has_shards", "model_keys", "owner")
 
     def __init__(self, model_keys: tuple[str, ...] | None, owner: str) -> None:
         self.model_keys = model_keys
         self.owner = owner
         self._key: tuple[int, ...] = ()
         self._params: list[torch.Tensor] = []
+        self.has_shards = False
 
     def __call__(self, ctx: TrainingContext) -> list[torch.Tensor]:
         selected = self._select(ctx.optimizers)
@@ -147,6 +157,8 @@ class OptimizerParameters:
                 for group in optimizer.param_groups:
                     params.update(dict.fromkeys(group["params"]))
             self._key, self._params = key, list(params)
+            dtensor = dtensor_type()  # loaded before any parameter can be one
+            self.has_shards = dtensor is not None and any(isinstance(p, dtensor) for p in self._params)
         return self._params
 
     def check(self, optimizer_names: Iterable[str]) -> None:
@@ -244,10 +256,11 @@ class GradientClippingHook(TrainingUpdateHook):
     def __call__(self, ctx: TrainingContext, stage: TrainingStage, will_skip: bool) -> tuple[bool, torch.Tensor | None]:
         if stage is not _DO_OPTIMIZER_STEP or will_skip:
             return True, None
-        params = self._params(ctx)
+        selection = self._params
+        params = selection(ctx)
         # What torch.nn.utils.clip_grad_norm_ does (the total norm, then one multiply), with the norm of
         # DTensor (FSDP) gradients taken over all their shards: clip_grad_norm_ would return it as a DTensor.
-        norm = total_grad_norm(params, self.norm_type, self.foreach)
+        norm = total_grad_norm(params, self.norm_type, self.foreach, has_shards=selection.has_shards)
         if self.max_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=self.foreach)
         else:

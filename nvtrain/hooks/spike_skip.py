@@ -290,8 +290,8 @@ class SpikeSkipHook(TrainingUpdateHook):
             return published[1]  # the first clipping hook measured every parameter: its norm, as it is
         params = self._params(ctx)
         parts = stash.get(PRE_CLIP_NORMS, None)
-        if parts is None or parts[0] != batch:
-            return total_grad_norm(params, self.norm_type)  # nothing clipped: the gradients as they are
+        if parts is None or parts[0] != batch:  # nothing clipped: the gradients as they are
+            return total_grad_norm(params, self.norm_type, has_shards=self._params.has_shards)
         return self._combined_norm(parts[1], params)
 
     def _combined_norm(self, parts: list[PreClipNorm], params: list[torch.Tensor]) -> torch.Tensor:
@@ -303,7 +303,7 @@ class SpikeSkipHook(TrainingUpdateHook):
         norm_type = parts[0].norm_type
         norms = [part.norm for part in parts]
         if self._rest:
-            norms.append(total_grad_norm(self._rest, norm_type))
+            norms.append(total_grad_norm(self._rest, norm_type, has_shards=self._params.has_shards))
         if len(norms) == 1:
             return norms[0]
         device = norms[0].device
