@@ -32,7 +32,7 @@ from torch.utils.data import (
 )
 
 from nvtrain.data_cursor import is_torchdata_class
-from nvtrain.distributed import TorchrunEnv, default_backend, dtensor_type
+from nvtrain.distributed import TorchrunEnv, default_backend, dtensor_type, unknown_backend
 from nvtrain.hookspecs import hookimpl
 from nvtrain.validators import FieldTypeError, FieldValueError, refused, satisfies
 
@@ -118,17 +118,13 @@ def refuse_unknown_backend(owner: str, backend: str | None) -> None:
     """
     if backend is None:
         return
-    known = [name for name in dist.Backend.backend_list if name != dist.Backend.UNDEFINED]
-    pairs = [part.partition(":") for part in backend.lower().split(",")]
-    names = [name if sep else device for device, sep, name in pairs]
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], known, n=1)
+    unknown, known = unknown_backend(backend)
+    if unknown is not None:
+        close = difflib.get_close_matches(unknown, known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         expected = f"one of {known}, or 'device:backend' pairs such as 'cpu:gloo,cuda:nccl'"
         message = (
-            f"{owner}.backend={backend!r} names no torch.distributed backend {unknown[0]!r}{hint} "
-            f"(expected {expected})"
+            f"{owner}.backend={backend!r} names no torch.distributed backend {unknown!r}{hint} (expected {expected})"
         )
         raise refused(owner, "backend", backend, expected, message=message)
 

@@ -38,7 +38,16 @@ if dist.is_available():
     # user creates a group, it binds None.
     import torch.distributed.nn
 
-__all__ = ["DeviceAssignmentError", "DistributedManager", "TorchrunEnv", "default_backend", "dtensor_type", "unwrap_model"]
+__all__ = [
+    "DeviceAssignmentError",
+    "DistributedManager",
+    "TorchrunEnv",
+    "backend_for",
+    "default_backend",
+    "dtensor_type",
+    "unknown_backend",
+    "unwrap_model",
+]
 
 
 class DeviceAssignmentError(RuntimeError):
@@ -121,6 +130,34 @@ def default_backend(device: torch.device) -> str:
     return "gloo"
 
 
+#: Backends that serve only some device types; every other one (gloo, mpi, ucc) serves all of them.
+_DEVICE_TYPES_OF = {"nccl": ("cuda",), "xccl": ("xpu",)}
+
+
+def backend_for(spec: str, device_type: str) -> str | None:
+    """The backend a process group of backend ``spec`` uses for tensors of ``device_type``: ``spec`` itself
+    (``"gloo"``, ``"nccl"``), or the one a ``"cpu:gloo,cuda:nccl"`` pair names; None when it has none (NCCL
+    has none for the CPU)."""
+    spec = spec.strip().lower()
+    if ":" not in spec:
+        served = _DEVICE_TYPES_OF.get(spec)
+        return spec if served is None or device_type in served else None
+    for pair in spec.split(","):
+        device, _, backend = pair.partition(":")
+        if device.strip() == device_type:
+            return backend.strip()
+    return None
+
+
+def unknown_backend(spec: str) -> tuple[str | None, list[str]]:
+    """The first name in ``spec`` (a backend, or ``"cpu:gloo,cuda:nccl"`` pairs) that torch.distributed does not
+    know (None when it knows them all), and the names it knows: for a refusal that names both."""
+    known = [name for name in dist.Backend.backend_list if name != dist.Backend.UNDEFINED]
+    pairs = [part.strip().partition(":") for part in spec.lower().split(",")]
+    names = [name if sep else device for device, sep, name in pairs]
+    return next((name for name in names if name not in known), None), known
+
+
 def _default_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -170,7 +207,7 @@ def _process_device(
             )
         return requested
     chosen = backend or default_backend(torch.device("cuda", 0))
-    if world_size > 1 and chosen == "nccl" and max(local_world_size, local_rank + 1) > count:
+    if world_size > 1 and backend_for(chosen, "cuda") == "nccl" and max(local_world_size, local_rank + 1) > count:
         processes = max(local_world_size, local_rank + 1)
         raise DeviceAssignmentError(
             f"DistributedManager: {processes} processes on this node (LOCAL_WORLD_SIZE={local_world_size}) but "
@@ -460,7 +497,7 @@ class DistributedManager:
         group = self.process_group
         if group is not None:
             state = self._current()
-            if state.backend == "nccl":
+            if backend_for(state.backend or "", "cuda") == "nccl":  # "nccl", or the CUDA half of "cpu:gloo,cuda:nccl"
                 dist.barrier(group=group, device_ids=[state.device.index or 0])
             else:
                 dist.barrier(group=group)

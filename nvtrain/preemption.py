@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from nvtrain.distributed import backend_for
+
 __all__ = ["PreemptionWatcher", "SignalLike", "collective_device", "is_rank_zero", "resolve_signals"]
 
 logger = logging.getLogger(__name__)
@@ -273,7 +275,9 @@ def is_rank_zero() -> bool:
 
 
 def collective_device(group: Any) -> torch.device:
-    """NCCL reduces CUDA tensors only; every other backend takes CPU tensors."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The CPU whenever the group has a backend for it (gloo, or the gloo half of ``"cpu:gloo,cuda:nccl"``):
+    reading a CPU result back waits for the collective only, not for the device's queued work. A group of NCCL
+    alone reduces CUDA tensors only."""
+    if backend_for(str(dist.get_backend(group)), "cpu") is not None:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())

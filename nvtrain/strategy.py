@@ -29,6 +29,7 @@ from nvtrain.hook import (
 from nvtrain.host_rng import apply_host_rng, capture_host_rng
 from nvtrain.lr_schedule import LRSchedule, ScheduledLR, plan_schedules
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
+from nvtrain.preemption import collective_device
 from nvtrain.registry import HookRegistry
 from nvtrain.run_release import LiveData
 from nvtrain.stages import TrainingStage
@@ -1083,7 +1084,7 @@ class TrainingStrategy:
         if self.ctx.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
             return float(value)
         group = self._scheduler_group()
-        device = torch.device("cpu") if dist.get_backend(group) == "gloo" else self.device
+        device = collective_device(group)
         total = torch.tensor(float(value), dtype=torch.float64, device=device)
         dist.all_reduce(total, group=group)
         return float(total) / dist.get_world_size(group)

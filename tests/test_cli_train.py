@@ -248,7 +248,7 @@ def test_validate_good_and_bad(tmp_path: Path, capsys: pytest.CaptureFixture[str
     err = capsys.readouterr().err
     assert err == (
         f"nvtrain validate: error: {tmp_path / 'bad.yaml'}:12:1: colour: unknown key 'colour' in the top level "
-        "(valid keys: name, output_dir, seed, device, cpu_threads, model, data, loss, optimizer, lr_scheduler, "
+        "(valid keys: name, output_dir, seed, device, backend, cpu_threads, model, data, loss, optimizer, lr_scheduler, "
         "trainer, validation, logging, hooks)\n"
     )
     assert not (tmp_path / "out").exists()  # validating writes nothing (it does build the model)

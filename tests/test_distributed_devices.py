@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nvtrain.cli import main
-from nvtrain.distributed import DeviceAssignmentError, DistributedManager
+from nvtrain.distributed import DeviceAssignmentError, DistributedManager, backend_for
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -182,17 +182,88 @@ def test_nvtrain_train_under_torchrun_with_one_gpu_exits_2_with_the_fix(
     assert node.groups == [] and not out.exists()
 
 
-def test_nvtrain_train_under_torchrun_passes_device_cpu_to_the_manager(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.mark.parametrize("backend", ["cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo", "cuda:nccl"])
+def test_more_ranks_than_gpus_is_refused_when_nccl_is_the_cuda_half_of_a_pair(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """A ``device:backend`` pair naming NCCL for CUDA needs a GPU per process as plain "nccl" does (the pair
+    ``cpu:gloo,cuda:nccl`` is the documented way to keep the step poll off the device)."""
+    node = simulate(monkeypatch, gpus=1)
+    torchrun_env(monkeypatch, rank=0)
+    with pytest.raises(DeviceAssignmentError, match="NCCL needs a GPU of its own"):
+        DistributedManager.initialize(backend=backend)
+    assert node.groups == []
+
+
+def test_a_pair_with_gloo_for_cuda_may_share_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    node = simulate(monkeypatch, gpus=1)
+    torchrun_env(monkeypatch, rank=1)
+    manager = DistributedManager.initialize(backend="cpu:gloo,cuda:gloo")
+    assert manager.device == torch.device("cuda", 0)
+    assert [group["backend"] for group in node.groups] == ["cpu:gloo,cuda:gloo"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "cpu", "cuda"),
+    [
+        ("gloo", "gloo", "gloo"),
+        ("nccl", None, "nccl"),
+        ("NCCL", None, "nccl"),
+        ("mpi", "mpi", "mpi"),
+        ("cpu:gloo,cuda:nccl", "gloo", "nccl"),
+        ("cuda:nccl, cpu:gloo", "gloo", "nccl"),
+        ("cuda:nccl", None, "nccl"),
+        ("cpu:gloo", "gloo", None),
+    ],
+)
+def test_backend_for_reads_a_backend_or_a_pair_per_device_type(spec: str, cpu: str | None, cuda: str | None) -> None:
+    assert (backend_for(spec, "cpu"), backend_for(spec, "cuda")) == (cpu, cuda)
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ([], ("auto", None)),
+        (["--set", "device=cpu"], ("cpu", None)),
+        (["--set", "backend=cpu:gloo,cuda:nccl"], ("auto", "cpu:gloo,cuda:nccl")),
+    ],
+)
+def test_nvtrain_train_under_torchrun_passes_the_configs_device_and_backend_to_the_manager(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, setting: list[str], expected: tuple[str, str | None]
 ) -> None:
     simulate(monkeypatch, gpus=1)
     torchrun_env(monkeypatch, rank=0)
     seen: list[Any] = []
 
     def initialize(**kwargs: Any) -> Any:
-        seen.append(kwargs.get("device"))
+        seen.append((kwargs.get("device"), kwargs.get("backend")))
         raise DeviceAssignmentError("stop here")  # the rest of the launch is not simulated
 
     monkeypatch.setattr(DistributedManager, "initialize", initialize)
-    main(["train", "--set", "device=cpu", "--set", "trainer.max_steps=2", "--set", f"output_dir={tmp_path}"])
-    assert seen == ["cpu"]
+    main(["train", *setting, "--set", "trainer.max_steps=2", "--set", f"output_dir={tmp_path}"])
+    assert seen == [expected]
+
+
+def test_nvtrain_train_with_a_backend_pair_and_too_few_gpus_names_the_backend(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    simulate(monkeypatch, gpus=1)
+    torchrun_env(monkeypatch, rank=0)
+    setting = ["--set", "backend=cpu:gloo,cuda:nccl", "--set", f"output_dir={tmp_path}"]
+    assert main(["train", *setting]) == 2
+    err = capsys.readouterr().err
+    assert "backend" in err.split("NCCL needs")[0] and "NCCL needs a GPU of its own" in err
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [("glo", "did you mean 'gloo'?"), ("cpu:gloo,cuda:ncl", "did you mean 'nccl'?"), ("''", "(got '')")],
+)
+def test_a_backend_typo_is_refused_by_nvtrain_validate_in_one_process(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, value: str, says: str
+) -> None:
+    """Refused when the config is read, naming the key: not first on the cluster, when the group is made."""
+    assert main(["validate", "--set", f"backend={value}", "--set", f"output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nvtrain validate: error: --set backend=") and "backend: RunConfig.backend must be" in err
+    assert says in err and "'device:backend' pairs such as 'cpu:gloo,cuda:nccl'" in err

@@ -19,7 +19,7 @@ import torch
 
 import nvtrain
 from nvtrain import StepScheduler
-from nvtrain.preemption import PreemptionWatcher, resolve_signals
+from nvtrain.preemption import PreemptionWatcher, collective_device, resolve_signals
 from nvtrain.testing import free_port
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
@@ -303,3 +303,17 @@ def test_two_ranks_stop_at_the_same_step_when_only_rank_zero_is_signalled(
     # synchronized stream: rank 0 runs out first; both take the same windows and stop together
     assert [[len(w), last] for w, last in reports[0]["windows"]] == [[2, False], [2, False], [1, True]]
     assert [[len(w), last] for w, last in reports[1]["windows"]] == [[2, False], [2, False], [1, True]]
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [("nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cpu"), ("cuda:nccl,cpu:gloo", "cpu"), ("gloo", "cpu")],
+)
+def test_the_step_poll_runs_on_the_cpu_whenever_the_group_can(
+    backend: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group with a CPU backend polls with a CPU tensor: no device sync per step (docs/distributed.md, "The
+    per-step stop agreement"); only a NCCL-only group needs the flag on the GPU."""
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device(None) == torch.device(device)

@@ -58,9 +58,9 @@ def train(plan: Plan, *, out: TextIO | None = None) -> TrainOutcome:
         from nvtrain.distributed import DeviceAssignmentError, DistributedManager
 
         try:  # the config's device decides the backend: device=cpu trains with gloo where GPUs are visible
-            manager = DistributedManager.initialize(device=config.device)
+            manager = DistributedManager.initialize(device=config.device, backend=config.backend)
         except DeviceAssignmentError as err:
-            raise plan.loaded.error(str(err), ("device",)) from None
+            raise plan.loaded.error(str(err), ("backend",) if config.backend is not None else ("device",)) from None
     rank = manager.rank if manager is not None else 0
     started = time.perf_counter()
     threads = torch.get_num_threads()  # cpu_threads is the run's: a caller in-process (a notebook) gets its own back

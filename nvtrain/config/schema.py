@@ -85,6 +85,21 @@ def _thread_count(instance: Any, attribute: attrs.Attribute[Any], value: int | N
         raise _refused(instance, attribute, value, "from 1 to 2**31 - 1, or null")
 
 
+def _backend(instance: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    """A torch.distributed backend name, or ``device:backend`` pairs; a typo fails here, not on the cluster."""
+    if value is None:
+        return
+    from nvtrain.distributed import unknown_backend
+
+    unknown, known = unknown_backend(value)
+    expected = f"null, one of {known}, or 'device:backend' pairs such as 'cpu:gloo,cuda:nccl'"
+    if not value.strip() or unknown is not None:
+        close = difflib.get_close_matches(unknown, known, n=1) if unknown else []
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        message = f"{type(instance).__name__}.{attribute.name} must be {expected} (got {value!r}){hint}"
+        raise _refused(instance, attribute, value, expected, message)
+
+
 def _positive(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
     if value < 1:
         raise _refused(instance, attribute, value, ">= 1")
@@ -379,6 +394,15 @@ class RunConfig:
     device: str = attrs.field(
         default="auto",
         metadata=_doc("`auto` (cuda:LOCAL_RANK when CUDA is available, else cpu), `cpu`, `cuda`, `cuda:1`..."),
+    )
+    backend: str | None = attrs.field(
+        default=None,
+        validator=_backend,
+        metadata=_doc(
+            "Process-group backend under torchrun (null: `nccl` with CUDA, `gloo` otherwise). "
+            "`cpu:gloo,cuda:nccl` keeps the per-step stop agreement on the CPU: no device sync per step "
+            "(docs/distributed.md)."
+        ),
     )
     cpu_threads: int | None = attrs.field(
         default=None,

@@ -16,6 +16,7 @@ import attrs
 import torch
 
 import nvtrain
+from nvtrain.preemption import collective_device
 from nvtrain.state import capture_rng_state, capture_state, load_state, strategy_hooks, without_data_position
 from nvtrain.validators import FieldTypeError, blocking_file, one_of, optional_int_at_least, refused, strict_bool
 from nvtrain_checkpoint import sharded, storage, writer_process
@@ -703,7 +704,7 @@ def _distributed(ctx: nvtrain.TrainingContext) -> bool:
 def _agree(ctx: nvtrain.TrainingContext, root: Path, found: Path | None, shared: bool) -> Path | None:
     """Make every rank resume from the same step (one all_reduce)."""
     step = -1 if found is None else storage.checkpoint_step(found)
-    device = ctx.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device(None)
     both = torch.tensor([step, -step], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
     highest, lowest = int(both[0]), -int(both[1])
