@@ -6,6 +6,7 @@ import contextlib
 import gc
 import inspect
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -38,6 +39,7 @@ from nvtrain.validators import (
     optional_bool,
     optional_non_empty_str,
     refused,
+    satisfies,
 )
 
 __all__ = ["DDPHook"]
@@ -54,6 +56,12 @@ _BUFFER_SYNC_ARGUMENT = (
 
 
 # -- field converters and validators ------------------------------------------------------
+
+_bucket_size = satisfies(
+    "a finite number of MiB > 0",
+    lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf,
+    or_none=True,
+)
 
 
 def _as_model_keys(value: Any) -> tuple[str, ...] | None:
@@ -132,6 +140,10 @@ class DDPHook(ShardsTrainLoader):
     #: Backend when this hook initialises torch.distributed (None: NCCL on CUDA, gloo otherwise).
     backend: str | None = attrs.field(default=None, validator=optional_non_empty_str("backend name such as 'nccl' or 'gloo'"))
     auto_init: bool = attrs.field(default=True, validator=a_bool)
+    #: Size of DDP's gradient buckets in MiB (None: torch's default, 25): larger buckets, fewer all-reduces.
+    bucket_cap_mb: float | None = attrs.field(default=None, validator=_bucket_size)
+    #: Gradients as views into DDP's buckets: no second copy of them (memory the size of the gradients).
+    gradient_as_bucket_view: bool = attrs.field(default=False, validator=a_bool)
     sampler_cls: Callable[..., Any] = attrs.field(default=DistributedSampler, converter=_as_sampler_cls)
     sampler_kwargs: dict[str, Any] = attrs.field(
         factory=dict, converter=_as_sampler_kwargs, validator=_check_sampler_kwargs
@@ -184,7 +196,10 @@ class DDPHook(ShardsTrainLoader):
             "find_unused_parameters": self._setting("find_unused_parameters", manager),
             _BUFFER_SYNC_ARGUMENT: self._setting("broadcast_buffers", manager),
             "static_graph": self.static_graph,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
         }
+        if self.bucket_cap_mb is not None:  # torch's own default otherwise, whatever it is in this release
+            options["bucket_cap_mb"] = self.bucket_cap_mb
         ddp_modules = []
         for key in self._keys(ctx):
             model = ctx.models[key]
