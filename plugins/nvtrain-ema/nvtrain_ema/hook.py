@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections import OrderedDict
@@ -21,6 +22,7 @@ from nvtrain.validators import (
     non_empty_str,
     optional_non_empty_str,
     refused,
+    satisfies,
     strict_bool,
     strict_int,
 )
@@ -32,6 +34,17 @@ __all__ = ["EMAHook", "ShardedAverage", "unwrap_model"]
 _STALL_SHARE = 0.01
 
 _AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
+
+
+def _finite_above_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+_positive_finite = satisfies("a finite number > 0", _finite_above_zero)
+_optional_positive_finite = satisfies(
+    "None or a finite number > 0 (2/3 for long runs, 3/4 for short ones)",
+    lambda value: value is None or _finite_above_zero(value),
+)
 
 
 @attrs.define(eq=False)
@@ -48,7 +61,8 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     completed-step counts divisible by ``update_every`` (``ctx.step_count %
     update_every == 0``: a global modulo, not counted from ``start_step``). The
     first update copies the weights; later ones compute
-    ``ema = decay * ema + (1 - decay) * weights``.
+    ``ema = decay * ema + (1 - decay) * weights``, with ``decay_at(num_updates)`` in place
+    of ``decay`` during a warmup (``warmup_power``).
 
     The copy is made at BEFORE_TRAINING (or at first use) from the unwrapped model,
     so a DDP wrapper is not copied. ``use_buffers=True`` averages buffers too;
@@ -79,6 +93,11 @@ class EMAHook(nvtrain.TrainingUpdateHook):
     #: Average module buffers (e.g. BatchNorm running statistics) as well.
     use_buffers: bool = attrs.field(default=False, validator=strict_bool)
     priority: int = attrs.field(default=50, validator=strict_int)
+    #: Warm the decay up as ``min(decay, 1 - (1 + n / warmup_gamma) ** -warmup_power)`` at the update after ``n``
+    #: updates (the power-function warmup of timm and diffusers); None keeps ``decay`` from the first update.
+    warmup_power: float | None = attrs.field(default=None, validator=_optional_positive_finite)
+    #: The warmup's time scale, in updates (used only with ``warmup_power``).
+    warmup_gamma: float = attrs.field(default=1.0, validator=_positive_finite)
     #: Names this average in checkpoints (``ema:<state_key>``; default ``ema:<model_key>``): two averages of one
     #: model, a fast and a slow one, each need their own.
     state_key: str | None = attrs.field(default=None, validator=optional_non_empty_str())
@@ -110,7 +129,7 @@ class EMAHook(nvtrain.TrainingUpdateHook):
                     self._ensure_averaged()
                     plan = self._plan
                     assert plan is not None
-                plan.update(self.decay)
+                plan.update(self.decay if self.warmup_power is None else self.decay_at(self._num_updates))
                 # A count only this method raises: past the field's validation, which costs six calls.
                 object.__setattr__(self, "_num_updates", self._num_updates + 1)
         return True, None
@@ -153,6 +172,14 @@ class EMAHook(nvtrain.TrainingUpdateHook):
         return {name: value.detach().to("cpu", copy=True) for name, value in averaged.module.state_dict().items()}
 
     # -- checkpoint state ------------------------------------------------------------------
+
+    def decay_at(self, updates: int) -> float:
+        """The decay of the update that follows ``updates`` earlier ones: ``decay``, or during a warmup
+        (``warmup_power``) the smaller ``1 - (1 + updates / warmup_gamma) ** -warmup_power``. (The first update
+        copies the weights whatever the decay.)"""
+        if self.warmup_power is None:
+            return self.decay
+        return min(self.decay, 1.0 - (1.0 + updates / self.warmup_gamma) ** -self.warmup_power)
 
     @property
     def num_updates(self) -> int:
