@@ -112,7 +112,9 @@ def test_a_resumed_average_warms_up_on_from_its_update_count() -> None:
         resumed.run(batches)  # the data position is restored: it trains the last three batches
     assert resumed_ema.num_updates == ema.num_updates == STEPS
     for got, want in zip(
-        resumed_ema.get_averaged_model().state_dict().values(), ema.get_averaged_model().state_dict().values(), strict=True
+        resumed_ema.get_averaged_model().state_dict().values(),
+        ema.get_averaged_model().state_dict().values(),
+        strict=True,
     ):
         assert torch.equal(got, want)
 
