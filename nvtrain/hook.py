@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_PRIORITY",
     "PRIORITY_FIRST",
     "PRIORITY_LAST",
+    "AbortsRun",
     "AccumulatesGradients",
     "AveragesWeights",
     "CheckpointableHook",
@@ -98,6 +99,19 @@ class SavesCheckpoints(Protocol):
 
     @property
     def last_saved(self) -> tuple[int, Any] | None: ...
+
+
+@runtime_checkable
+class AbortsRun(Protocol):
+    """A plugin told when ``run()`` ends with an exception, before it propagates: ``abort_run(error)``.
+
+    For per-run resources a failed run would otherwise hold until the strategy is closed
+    (a profiler recording every operation the process runs next, in a notebook that never
+    closes it). It must not train or raise: an exception it raises becomes a note on
+    ``error``. ``close()`` still follows when the strategy closes.
+    """
+
+    def abort_run(self, error: BaseException) -> None: ...
 
 
 @runtime_checkable

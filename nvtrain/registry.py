@@ -275,6 +275,18 @@ class HookRegistry:
 
     # -- closing --------------------------------------------------------------------------------
 
+    def abort_run(self, error: BaseException) -> None:
+        """Tell every hook with an ``abort_run(error)`` method (:class:`~nvtrain.hook.AbortsRun`) that the run
+        failed with ``error``, in reverse registration order. Their own failures become notes on ``error``: the
+        run's exception is the one that goes on."""
+        for hook in reversed(self._registered()):
+            abort = getattr(hook, "abort_run", None)
+            if callable(abort):
+                try:
+                    abort(error)
+                except Exception as failure:  # the run's error stays the one raised; this one is told on it
+                    error.add_note(f"{hook_label(hook)}.abort_run() failed too: {type(failure).__name__}: {failure}")
+
     def close(self, pending: BaseException | None = None) -> None:
         """Close every hook that holds resources (reverse registration order), then the bus.
 

@@ -443,6 +443,7 @@ class TrainingStrategy:
                 bus.after_training(ctx)
         except BaseException as err:  # free when nothing raises: the update hooks leave the failed batch
             self.registry.orchestrator.abort_batch(err)
+            self.registry.abort_run(err)  # per-run resources (a profiler) go now, not when the strategy closes
             raise
         finally:
             ctx.windowed = False

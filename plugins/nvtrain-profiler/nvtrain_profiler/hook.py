@@ -201,6 +201,11 @@ class TorchProfilerHook:
         """Finish the session and write the last trace."""
         self.close()
 
+    def abort_run(self, error: BaseException) -> None:
+        """The run failed: stop profiling now and write what was recorded up to the failure, rather than
+        record everything the process runs next until the strategy is closed."""
+        self.close()
+
     def close(self) -> None:
         """Finish an open session (the strategy calls this on exit, also after an exception)."""
         session, self._session = self._session, None

@@ -56,21 +56,44 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(2, 4, generator=generator), torch.randn(2, 1, generator=generator)) for _ in range(6)]
 
 
-def _failed_run_without_closing(output_dir: Path) -> weakref.ref[TorchProfilerHook]:
-    """Run until a hook raises, as a script would without ``with strategy:``; return a reference to the hook
-    that does not keep it (the exception and its frames are gone on return)."""
-    profiler = TorchProfilerHook(output_dir=output_dir, activities=["cpu"])
+def test_a_failed_run_stops_the_profiler_at_once_and_writes_its_trace(tmp_path: Path) -> None:
+    """A script without ``with strategy:`` (a notebook cell): the run raises, the strategy stays open, and the
+    profiler must not go on recording every operation the process runs next."""
+    profiler = TorchProfilerHook(output_dir=tmp_path, activities=["cpu"])
     strategy = _strategy([profiler, _RaiseAtStep(2)])
-    try:
+    with pytest.raises(RuntimeError, match="planned failure"):
         strategy.run(_batches())
-    except RuntimeError as err:
-        assert str(err) == "planned failure"
+    assert not profiler.running and not _profiler_enabled()
+    assert [path.parent for path in profiler.traces] == [tmp_path / "rank_0" / "torch"]  # the failed run's trace
+    strategy.close()  # nothing left to stop: no second trace
+    assert len(list((tmp_path / "rank_0" / "torch").iterdir())) == 1
+
+
+def test_a_retried_run_profiles_again_from_its_first_micro_batch(tmp_path: Path) -> None:
+    profiler = TorchProfilerHook(output_dir=tmp_path, activities=["cpu"])
+    failing = _RaiseAtStep(2)
+    with _strategy([profiler, failing]) as strategy:
+        with pytest.raises(RuntimeError, match="planned failure"):
+            strategy.run(_batches())
+        failing.step = -1
+        strategy.run(_batches())
+        assert not profiler.running
+    assert len(profiler.traces) == 2  # the failed run's, then the retry's
+
+
+def _standalone_batches_without_closing(output_dir: Path) -> weakref.ref[TorchProfilerHook]:
+    """``train_batch()`` calls outside any run start the profiler lazily; a script that never closes the
+    strategy leaves it on. Return a reference to the hook that does not keep it."""
+    profiler = TorchProfilerHook(output_dir=output_dir, activities=["cpu"])
+    strategy = _strategy([profiler])
+    for batch in _batches()[:2]:
+        strategy.train_batch(batch)
     assert profiler.running and _profiler_enabled()
     return weakref.ref(profiler)
 
 
-def test_a_failed_run_never_closed_stops_the_profiler_once_its_hook_is_collected(tmp_path: Path) -> None:
-    hook = _failed_run_without_closing(tmp_path)
+def test_a_profiler_never_closed_stops_once_its_hook_is_collected(tmp_path: Path) -> None:
+    hook = _standalone_batches_without_closing(tmp_path)
     gc.collect()
     assert hook() is None
     assert not _profiler_enabled()
