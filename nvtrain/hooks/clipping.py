@@ -145,11 +145,13 @@ class OptimizerParameters:
 
     def __call__(self, ctx: TrainingContext) -> list[torch.Tensor]:
         selected = self._select(ctx.optimizers)
-        key = tuple(
-            part
-            for optimizer in selected
-            for group in optimizer.param_groups
-            for part in (id(group["params"]), len(group["params"]))
+        key = tuple(  # a list comprehension: one call per step, where a generator is one per item
+            [
+                part
+                for optimizer in selected
+                for group in optimizer.param_groups
+                for part in (id(group["params"]), len(group["params"]))
+            ]
         )
         if key != self._key:
             params: dict[torch.Tensor, None] = {}

@@ -472,7 +472,7 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
         region = self._training_autocast
         if region is not None:
             region.__enter__()  # left in _close_autocast (DO_BACKWARD, the next batch, or close())
-            self._autocast_open = True
+            object.__setattr__(self, "_autocast_open", True)  # per batch: past attrs' __setattr__ (a call)
 
     def _do_backward(self, ctx: nvtrain.TrainingContext) -> torch.Tensor:
         if self._autocast_open:
@@ -503,7 +503,7 @@ class MixedPrecisionHook(nvtrain.TrainingUpdateHook):
 
     def _close_autocast(self) -> None:
         if self._autocast_open:
-            self._autocast_open = False
+            object.__setattr__(self, "_autocast_open", False)
             self._training_autocast.__exit__(None, None, None)  # type: ignore[union-attr]
 
     def _watcher(self, optimizer: torch.optim.Optimizer) -> _StepWatcher:
