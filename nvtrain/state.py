@@ -147,7 +147,8 @@ def _legacy_hook_keys(hooks: Iterable[object]) -> dict[str, CheckpointableHook]:
 
 
 def capture_rng_state(loader: Any = None, *, loader_state: bool = True) -> dict[str, Any]:
-    """Python, NumPy (when installed), torch CPU, every CUDA device and the loader's generators.
+    """Python, NumPy (when installed), torch CPU, every CUDA device (once CUDA is initialised) and the loader's
+    generators.
 
     For a torchdata StatefulDataLoader, also the loader's own state at the data position of
     the step scheduler reading it (``"loader"``, as ``StepScheduler.state_dict()["loader"]``;
@@ -156,7 +157,9 @@ def capture_rng_state(loader: Any = None, *, loader_state: bool = True) -> dict[
     all of them (``rng_by_rank``).
     """
     state: dict[str, Any] = {"torch": torch.get_rng_state(), **capture_host_rng()}
-    if torch.cuda.is_available():
+    # Only once CUDA is initialised: before that no CUDA draw has happened (its generators are as seeded), and
+    # reading them would initialise CUDA, a context on the GPU for a run on the CPU (in every rank).
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     state["generators"] = {path: gen.get_state() for path, gen in loader_generators(loader).items()}
     if loader_state and loader is not None and is_stateful_dataloader(loader):

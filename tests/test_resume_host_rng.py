@@ -149,3 +149,26 @@ def test_a_validation_that_raises_leaves_the_host_streams_as_training_had_them()
     assert random.getstate() == recorder.streams[0]
     expected = recorder.streams[1]
     assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), expected, strict=True))
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+def test_cuda_generators_are_read_only_once_cuda_is_initialised(
+    monkeypatch: pytest.MonkeyPatch, initialized: bool
+) -> None:
+    """Reading them would initialise CUDA: a context on the GPU, in every rank, for a run on the CPU of a machine
+    with GPUs. Before it is initialised no CUDA draw has happened, and there is nothing to keep."""
+    from nvtrain.state import capture_rng_state
+
+    saved = [torch.zeros(16, dtype=torch.uint8)]
+
+    def read_all() -> list[torch.Tensor]:
+        assert initialized, "get_rng_state_all() initialises CUDA"
+        return saved
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", read_all)
+    state = capture_rng_state()
+    assert ("cuda" in state) is initialized
+    if initialized:
+        assert state["cuda"] == saved
