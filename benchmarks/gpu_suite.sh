@@ -3,21 +3,24 @@
 #
 #   bash benchmarks/gpu_suite.sh [YARDSTICK_DIR] [OUT_DIR]
 #
-# 1. the whole test suite (tests, plugins) with CUDA visible: the cuda-marked tests run, nothing skips
-#    for want of a GPU (pytest-xdist, when installed, spreads it over the cores);
+# 1. the tests marked cuda on their own first (their results are in even if the whole suite runs out of
+#    time), then the whole test suite (tests, plugins) with CUDA visible: nothing skips for want of a GPU
+#    (pytest-xdist, when installed, spreads it over the cores; a machine without network needs its wheel,
+#    and execnet's, brought along);
 # 2. benchmarks/gpu_check.py --device cuda: loop cost without checkpoints, checkpoint cost apart
 #    (blocked time per save, writer time, bytes, throughput), host syncs per step;
 # 3. the yardsticks kept outside the repository, gpu_bench.py and ckpt_cost.py, from YARDSTICK_DIR
 #    (each one that is absent is skipped, with a line saying so).
 #
 # Everything goes to OUT_DIR (default gpu-report-<UTC time>): env.txt (GPU, driver, versions),
-# one log per stage, pytest.xml, gpu_check.json, summary.txt. It fails fast: no CUDA device ends it
+# one log per stage, cuda-tests.xml and pytest.xml, gpu_check.json, summary.txt. It fails fast: no CUDA device ends it
 # at once (exit 0: nothing to measure here), a broken environment (torch or nvtrain not importable,
 # CUDA not initialising) exits 2 before any stage, and every stage runs under its own time limit.
 # Stages are independent, so a failing one does not stop the next: the last lines are a summary,
 # and the exit status is 1 when any stage failed or ran out of time.
 #
-# Time limits in seconds (environment): TESTS_TIMEOUT (240), CHECK_TIMEOUT (120), YARDSTICK_TIMEOUT (40).
+# Time limits in seconds (environment): CUDA_TESTS_TIMEOUT (90), TESTS_TIMEOUT (240), CHECK_TIMEOUT (120),
+# YARDSTICK_TIMEOUT (40).
 # PYTHON picks the interpreter (default: python).
 
 set -euo pipefail
@@ -25,6 +28,7 @@ set -euo pipefail
 YARDSTICKS="${1:-}"
 OUT="${2:-gpu-report-$(date -u +%Y%m%dT%H%M%SZ)}"
 PYTHON="${PYTHON:-python}"
+CUDA_TESTS_TIMEOUT="${CUDA_TESTS_TIMEOUT:-90}"
 TESTS_TIMEOUT="${TESTS_TIMEOUT:-240}"
 CHECK_TIMEOUT="${CHECK_TIMEOUT:-120}"
 YARDSTICK_TIMEOUT="${YARDSTICK_TIMEOUT:-40}"
@@ -105,6 +109,9 @@ run_tests() {  # with pytest-xdist over the cores; without it, tests/ and plugin
 }
 export -f run_tests
 export PYTHON OUT
+# The CUDA-only tests first, on their own: their results are in even if the whole suite runs out of time.
+stage "CUDA-marked tests" "$CUDA_TESTS_TIMEOUT" cuda_tests.log \
+    "$PYTHON" -m pytest tests plugins -m cuda -q -p no:cacheprovider -rfEs --junitxml="$OUT/cuda-tests.xml"
 stage "tests (CUDA visible)" "$TESTS_TIMEOUT" tests.log bash -c run_tests
 stage "gpu_check --device cuda" "$CHECK_TIMEOUT" gpu_check.txt \
     "$PYTHON" benchmarks/gpu_check.py --device cuda --json-out "$OUT/gpu_check.json"
@@ -120,8 +127,10 @@ done
 {
     echo "gpu_suite summary ($(date -u +%FT%TZ), $SECONDS s in all, results in $OUT)"
     printf '%s\n' "${SUMMARY[@]}"
-    if compgen -G "$OUT/pytest*.xml" >/dev/null; then
-        "$PYTHON" - "$OUT"/pytest*.xml <<'PY' || true
+    for group in cuda-tests pytest; do
+        compgen -G "$OUT/$group*.xml" >/dev/null || continue
+        echo "[$group]"
+        "$PYTHON" - "$OUT"/"$group"*.xml <<'PY' || true
 import sys, xml.etree.ElementTree as ET
 root = ET.Element("all")
 for path in sys.argv[1:]:
@@ -142,7 +151,7 @@ for case in root.iter("testcase"):
     if case.find("failure") is not None or case.find("error") is not None:
         print("  failed:", case.get("classname"), case.get("name"))
 PY
-    fi
+    done
     if [[ -f "$OUT/gpu_check.json" ]]; then
         "$PYTHON" - "$OUT/gpu_check.json" <<'PY' || true
 import json, sys
