@@ -151,7 +151,8 @@ class TorchProfilerHook:
 
     #: Root folder of the traces; each rank writes to ``rank_<global rank>/torch/`` below it.
     output_dir: Path = attrs.field(default=Path("profiles"), converter=_output_dir_path, validator=_output_dir)
-    #: What to trace; None is torch.profiler's default (CPU, plus CUDA when available).
+    #: What to trace; None: the CPU, plus the run's accelerator when the strategy trains on one (CUDA for a
+    #: CUDA device), so a run on the CPU of a machine with GPUs never initialises CUDA to profile it.
     activities: tuple[ProfilerActivity, ...] | None = attrs.field(default=None, converter=_as_activities)
     #: ``step -> ProfilerAction`` (``torch.profiler.schedule(...)``); None records everything.
     schedule: Callable[[int], ProfilerAction] | None = attrs.field(
@@ -182,13 +183,13 @@ class TorchProfilerHook:
     @nvtrain.hookimpl
     def before_training(self, ctx: nvtrain.TrainingContext) -> None:
         """Start profiling the run."""
-        self._start(ctx.rank)
+        self._start(ctx.rank, ctx.device)
 
     @nvtrain.hookimpl
     def before_batch(self, ctx: nvtrain.TrainingContext) -> None:
         """Start lazily for ``train_batch()`` used without ``run()``."""
         if self._session is None:
-            self._start(ctx.rank)
+            self._start(ctx.rank, ctx.device)
 
     @nvtrain.hookimpl
     def after_batch(self, ctx: nvtrain.TrainingContext) -> None:
@@ -217,7 +218,7 @@ class TorchProfilerHook:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _start(self, rank: int) -> None:
+    def _start(self, rank: int, device: torch.device) -> None:
         if self._session is not None:
             return
         trace_dir = self.trace_dir(rank)
@@ -226,7 +227,7 @@ class TorchProfilerHook:
             trace_dir,
             rank,
             self.traces,
-            activities=self.activities,
+            activities=self.activities if self.activities is not None else run_activities(device),
             schedule=self.schedule,
             record_shapes=self.record_shapes,
             profile_memory=self.profile_memory,
@@ -235,6 +236,16 @@ class TorchProfilerHook:
         self._session = session
         self._abandon = weakref.finalize(self, session.abandon)
         self._abandon.atexit = False  # the process ends, and its profiler with it
+
+
+def run_activities(device: torch.device) -> tuple[ProfilerActivity, ...]:
+    """What ``activities=None`` traces for a run on ``device``: the CPU, and the device's own activity (CUDA,
+    XPU, ...) when it has one this build can profile. torch's own default adds CUDA whenever it is available,
+    which initialises it (a context on the GPU) for a run that never uses it."""
+    activity = getattr(ProfilerActivity, device.type.upper(), None)
+    if activity is None or activity == ProfilerActivity.CPU or activity not in torch.profiler.supported_activities():
+        return (ProfilerActivity.CPU,)
+    return (ProfilerActivity.CPU, activity)
 
 
 @attrs.define(eq=False)

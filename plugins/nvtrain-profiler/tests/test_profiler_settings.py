@@ -108,11 +108,38 @@ def test_with_flops_estimates_the_matrix_multiplications(
 
 
 def test_activities_are_what_the_profiler_is_built_with(tmp_path: Path, profiles: list[RecordingProfile]) -> None:
-    # On a CPU-only build torch's default is the CPU alone, like this setting: check what torch is given.
     run_one_batch(TorchProfilerHook(output_dir=tmp_path / "cpu", activities=["cpu"]))
-    run_one_batch(TorchProfilerHook(output_dir=tmp_path / "default"))
-    assert [profiler.kwargs.get("activities") for profiler in profiles] == [(ProfilerActivity.CPU,), None]
+    run_one_batch(TorchProfilerHook(output_dir=tmp_path / "default"))  # None: the run's device decides
+    cpu = (ProfilerActivity.CPU,)
+    assert [profiler.kwargs.get("activities") for profiler in profiles] == [cpu, cpu]
     assert profiles[0].activities == {ProfilerActivity.CPU}
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [
+        ("cpu", (ProfilerActivity.CPU,)),
+        ("cuda", (ProfilerActivity.CPU, ProfilerActivity.CUDA)),
+        ("cuda:1", (ProfilerActivity.CPU, ProfilerActivity.CUDA)),
+        ("meta", (ProfilerActivity.CPU,)),  # no activity of its own
+    ],
+)
+def test_the_default_activities_follow_the_runs_device_not_what_the_machine_has(
+    monkeypatch: pytest.MonkeyPatch, device: str, expected: tuple[ProfilerActivity, ...]
+) -> None:
+    """torch's default adds CUDA wherever it is available: a run on the CPU of a machine with GPUs would
+    initialise CUDA (a context on a GPU it never uses) to profile nothing there."""
+    from nvtrain_profiler.hook import run_activities
+
+    monkeypatch.setattr(torch.profiler, "supported_activities", lambda: {ProfilerActivity.CPU, ProfilerActivity.CUDA})
+    assert run_activities(torch.device(device)) == expected
+
+
+def test_the_default_leaves_out_an_accelerator_this_build_cannot_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nvtrain_profiler.hook import run_activities
+
+    monkeypatch.setattr(torch.profiler, "supported_activities", lambda: {ProfilerActivity.CPU})
+    assert run_activities(torch.device("cuda")) == (ProfilerActivity.CPU,)
 
 
 @pytest.mark.cuda
