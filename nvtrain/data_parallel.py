@@ -32,7 +32,7 @@ from torch.utils.data import (
 )
 
 from nvtrain.data_cursor import is_torchdata_class
-from nvtrain.distributed import TorchrunEnv, default_backend, dtensor_type, unknown_backend
+from nvtrain.distributed import TorchrunEnv, default_backend, dtensor_type, malformed_backend, unknown_backend
 from nvtrain.hookspecs import hookimpl
 from nvtrain.validators import FieldTypeError, FieldValueError, refused, satisfies
 
@@ -119,6 +119,11 @@ def refuse_unknown_backend(owner: str, backend: str | None) -> None:
     if backend is None:
         return
     unknown, known = unknown_backend(backend)
+    malformed = malformed_backend(backend)
+    if malformed is not None:
+        expected = f"one of {known}, or 'device:backend' pairs such as 'cpu:gloo,cuda:nccl'"
+        message = f"{owner}.backend={backend!r} is not a backend torch.distributed reads: {malformed} (expected {expected})"
+        raise refused(owner, "backend", backend, expected, message=message)
     if unknown is not None:
         close = difflib.get_close_matches(unknown, known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

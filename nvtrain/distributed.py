@@ -45,6 +45,7 @@ __all__ = [
     "backend_for",
     "default_backend",
     "dtensor_type",
+    "malformed_backend",
     "unknown_backend",
     "unwrap_model",
 ]
@@ -149,11 +150,31 @@ def backend_for(spec: str, device_type: str) -> str | None:
     return None
 
 
+def malformed_backend(spec: str) -> str | None:
+    """Why torch's ``init_process_group`` would refuse ``spec`` as written, before its names are looked at; None
+    when it has the form of a backend (``"gloo"``) or of ``device:backend`` pairs (``"cpu:gloo,cuda:nccl"``)."""
+    if not spec:
+        return "it is empty"
+    if any(char.isspace() for char in spec):
+        return "it holds whitespace, which torch keeps in the names it reads"
+    if ":" not in spec:
+        return "',' joins device:backend pairs, not backends" if "," in spec else None
+    devices: list[str] = []
+    for part in spec.split(","):
+        device, sep, backend = part.partition(":")
+        if not sep or not device or not backend or ":" in backend:
+            return f"{part!r} is not a device:backend pair"
+        if device.lower() in devices:
+            return f"device {device!r} is named twice"
+        devices.append(device.lower())
+    return None
+
+
 def unknown_backend(spec: str) -> tuple[str | None, list[str]]:
     """The first name in ``spec`` (a backend, or ``"cpu:gloo,cuda:nccl"`` pairs) that torch.distributed does not
     know (None when it knows them all), and the names it knows: for a refusal that names both."""
     known = [name for name in dist.Backend.backend_list if name != dist.Backend.UNDEFINED]
-    pairs = [part.strip().partition(":") for part in spec.lower().split(",")]
+    pairs = [part.partition(":") for part in spec.lower().split(",")]
     names = [name if sep else device for device, sep, name in pairs]
     return next((name for name in names if name not in known), None), known
 

@@ -108,7 +108,8 @@ class AbortsRun(Protocol):
     For per-run resources a failed run would otherwise hold until the strategy is closed
     (a profiler recording every operation the process runs next, in a notebook that never
     closes it). It must not train or raise: an exception it raises becomes a note on
-    ``error``. ``close()`` still follows when the strategy closes.
+    ``error`` (a KeyboardInterrupt goes on once every hook was told, ``error`` as its cause).
+    ``close()`` still follows when the strategy closes.
     """
 
     def abort_run(self, error: BaseException) -> None: ...

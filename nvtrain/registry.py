@@ -278,7 +278,10 @@ class HookRegistry:
     def abort_run(self, error: BaseException) -> None:
         """Tell every hook with an ``abort_run(error)`` method (:class:`~nvtrain.hook.AbortsRun`) that the run
         failed with ``error``, in reverse registration order. Their own failures become notes on ``error``: the
-        run's exception is the one that goes on."""
+        run's exception is the one that goes on. A KeyboardInterrupt or SystemExit in one (a second Ctrl-C while
+        the profiler writes its trace) still lets the others be told, then goes on, with the run's error as its
+        context."""
+        interrupted: BaseException | None = None
         for hook in reversed(self._registered()):
             abort = getattr(hook, "abort_run", None)
             if callable(abort):
@@ -286,6 +289,11 @@ class HookRegistry:
                     abort(error)
                 except Exception as failure:  # the run's error stays the one raised; this one is told on it
                     error.add_note(f"{hook_label(hook)}.abort_run() failed too: {type(failure).__name__}: {failure}")
+                except BaseException as failure:  # re-raised once every hook was told
+                    if interrupted is None:
+                        interrupted = failure
+        if interrupted is not None:
+            raise interrupted from error
 
     def close(self, pending: BaseException | None = None) -> None:
         """Close every hook that holds resources (reverse registration order), then the bus.

@@ -98,3 +98,19 @@ def test_a_run_that_ends_well_tells_nobody() -> None:
         strategy.run(_batches())
         strategy.train_batch(_batches(1)[0])
     assert calls == []
+
+
+class Interrupts(Told):
+    def abort_run(self, error: BaseException) -> None:
+        self.calls.append((self.name, error))
+        raise KeyboardInterrupt("a second Ctrl-C while writing the trace")
+
+
+def test_a_ctrl_c_in_one_abort_run_lets_the_others_be_told_then_goes_on() -> None:
+    calls: list[tuple[str, BaseException]] = []
+    error = RuntimeError("planned")
+    hooks = [Told("first", calls), Interrupts("second", calls), RaiseAt(1, error)]
+    with _strategy(hooks) as strategy, pytest.raises(KeyboardInterrupt) as caught:
+        strategy.run(_batches())
+    assert [name for name, _ in calls] == ["second", "first"]  # the profiler behind it still stops
+    assert caught.value.__cause__ is error  # the run's error stays in the report

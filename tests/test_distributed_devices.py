@@ -257,7 +257,16 @@ def test_nvtrain_train_with_a_backend_pair_and_too_few_gpus_names_the_backend(
 
 @pytest.mark.parametrize(
     ("value", "says"),
-    [("glo", "did you mean 'gloo'?"), ("cpu:gloo,cuda:ncl", "did you mean 'nccl'?"), ("''", "(got '')")],
+    [
+        ("glo", "did you mean 'gloo'?"),
+        ("cpu:gloo,cuda:ncl", "did you mean 'nccl'?"),
+        ("''", "(got ''); it is empty"),
+        ("'cpu:gloo, cuda:nccl'", "; it holds whitespace"),
+        ("'gloo '", "; it holds whitespace"),
+        ("':gloo'", "; ':gloo' is not a device:backend pair"),
+        ("cpu:gloo,cpu:mpi", "; device 'cpu' is named twice"),
+        ("nccl,gloo", "; ',' joins device:backend pairs, not backends"),
+    ],
 )
 def test_a_backend_typo_is_refused_by_nvtrain_validate_in_one_process(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, value: str, says: str

@@ -89,13 +89,14 @@ def _backend(instance: Any, attribute: attrs.Attribute[Any], value: str | None) 
     """A torch.distributed backend name, or ``device:backend`` pairs; a typo fails here, not on the cluster."""
     if value is None:
         return
-    from nvtrain.distributed import unknown_backend
+    from nvtrain.distributed import malformed_backend, unknown_backend
 
     unknown, known = unknown_backend(value)
+    malformed = malformed_backend(value)
     expected = f"null, one of {known}, or 'device:backend' pairs such as 'cpu:gloo,cuda:nccl'"
-    if not value.strip() or unknown is not None:
-        close = difflib.get_close_matches(unknown, known, n=1) if unknown else []
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+    if malformed is not None or unknown is not None:
+        close = difflib.get_close_matches(unknown, known, n=1) if unknown and malformed is None else []
+        hint = f"; {malformed}" if malformed is not None else f"; did you mean {close[0]!r}?" if close else ""
         message = f"{type(instance).__name__}.{attribute.name} must be {expected} (got {value!r}){hint}"
         raise _refused(instance, attribute, value, expected, message)
 

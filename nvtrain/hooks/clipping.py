@@ -134,12 +134,15 @@ class OptimizerParameters:
     which spares :func:`total_grad_norm` a look at every gradient on every step.
     """
 
-    __slots__ = ("_key", "_params", "has_shards", "model_keys", "owner")
+    __slots__ = ("_groups", "_key", "_params", "has_shards", "model_keys", "owner")
 
     def __init__(self, model_keys: tuple[str, ...] | None, owner: str) -> None:
         self.model_keys = model_keys
         self.owner = owner
         self._key: tuple[int, ...] = ()
+        #: The parameter-group lists the key names by ``id()``, held so that no other list can take one of
+        #: those ids while the key stands (a hook reused in a new strategy after the old one was freed).
+        self._groups: list[list[torch.Tensor]] = []
         self._params: list[torch.Tensor] = []
         self.has_shards = False
 
@@ -155,10 +158,10 @@ class OptimizerParameters:
         )
         if key != self._key:
             params: dict[torch.Tensor, None] = {}
-            for optimizer in selected:
-                for group in optimizer.param_groups:
-                    params.update(dict.fromkeys(group["params"]))
-            self._key, self._params = key, list(params)
+            groups = [group["params"] for optimizer in selected for group in optimizer.param_groups]
+            for group_params in groups:
+                params.update(dict.fromkeys(group_params))
+            self._key, self._groups, self._params = key, groups, list(params)
             dtensor = dtensor_type()  # loaded before any parameter can be one
             self.has_shards = dtensor is not None and any(isinstance(p, dtensor) for p in self._params)
         return self._params

@@ -227,3 +227,29 @@ def test_the_parameter_list_is_cached_until_the_optimizers_change() -> None:
     assert [id(p) for p in params(ctx)] == [id(a), id(b)]
     ctx.optimizers["other"] = torch.optim.SGD([a], lr=0.1)  # shared parameters count once
     assert [id(p) for p in params(ctx)] == [id(a), id(b)]
+
+
+def test_a_hook_reused_in_new_strategies_clips_each_ones_parameters() -> None:
+    """The parameter set is cached by the ids of the optimizers' parameter-group lists; a strategy freed and a
+    new one built can get a list at a freed id (CPython reuses them), and the hook then clipped the old
+    model's parameters, leaving the new model's gradients as they were."""
+    import gc
+
+    hook = GradientClippingHook(max_norm=1e-3)
+    batch = (torch.randn(4, 3) * 100, torch.randn(4, 1) * 100)
+    for round_ in range(60):
+        torch.manual_seed(round_)
+        strategy = nvtrain.TrainingStrategy(
+            models=torch.nn.Linear(3, 1),
+            optimizers=functools.partial(torch.optim.SGD, lr=0.0),
+            loss_fn=torch.nn.functional.mse_loss,
+            hooks=[hook],
+            device="cpu",
+        )
+        with strategy:
+            strategy.train_batch(batch)
+            grads = [p.grad for p in strategy.ctx.models["main"].parameters()]
+            norm = float(torch.nn.utils.get_total_norm(grads))
+        assert norm <= 1e-3 * 1.0001, f"round {round_}: this model's gradients were not clipped (norm {norm:.1f})"
+        del strategy, grads
+        gc.collect(1)  # the young generations: where the freed strategy's cycles are

@@ -52,7 +52,29 @@ def test_a_backend_torch_does_not_know_is_refused_in_one_process(backend: str, u
 
 
 @pytest.mark.usefixtures("no_torchrun_env")
-@pytest.mark.parametrize("backend", [None, "GLOO", "cpu:gloo,cuda:nccl"])
+@pytest.mark.parametrize(
+    ("backend", "reason"),
+    [
+        ("gloo ", "it holds whitespace"),
+        ("cpu:gloo, cuda:nccl", "it holds whitespace"),
+        (":gloo", "':gloo' is not a device:backend pair"),
+        ("cpu:gloo,cpu:mpi", "device 'cpu' is named twice"),
+        ("nccl,gloo", "',' joins device:backend pairs, not backends"),
+    ],
+)
+def test_a_spec_torch_would_refuse_as_written_is_refused_in_one_process(backend: str, reason: str) -> None:
+    """Specs whose names torch knows but that init_process_group refuses as written ("Invalid device string:
+    ' cuda'", "Duplicate device type cpu"): they used to pass SETUP in one process and fail on the cluster."""
+    with make_strategy(DDPHook(backend=backend)) as strategy, pytest.raises(FieldValueError) as caught:
+        strategy.setup()
+    message = str(caught.value)
+    assert message.startswith(f"DDPHook.backend={backend!r} is not a backend torch.distributed reads: {reason}")
+    assert caught.value.field == "backend"
+    assert not dist.is_initialized()
+
+
+@pytest.mark.usefixtures("no_torchrun_env")
+@pytest.mark.parametrize("backend", [None, "GLOO", "cpu:gloo,cuda:nccl", "CPU:GLOO,CUDA:NCCL"])
 def test_known_backends_and_model_keys_set_up_in_one_process(backend: str | None) -> None:
     with make_strategy(DDPHook(model_keys="main", backend=backend)) as strategy:
         strategy.setup()

@@ -133,10 +133,11 @@ class TorchProfilerHook:
     The profiler starts at BEFORE_TRAINING (lazily at the first BEFORE_BATCH for
     standalone ``train_batch()`` calls), advances its ``schedule`` at every
     AFTER_BATCH (one profiler step per micro-batch) and is finalised at
-    AFTER_TRAINING, or when the strategy's context exits (also after an
-    exception). A hook collected with its session still open (a run that raised,
-    its strategy never closed) stops the profiler then, writing no trace: torch's
-    profiler would otherwise record every op for the rest of the process. Each
+    AFTER_TRAINING, when a run raises (``abort_run``: the trace up to the failure
+    is written then), or when the strategy's context exits. A hook collected with
+    its session still open (standalone ``train_batch()`` calls, its strategy never
+    closed) stops the profiler then, writing no trace: torch's profiler would
+    otherwise record every op for the rest of the process. Each
     trace is a ``*.pt.trace.json`` file under
     ``output_dir/rank_<global rank>/torch/``, written under a temporary name and
     renamed when complete; TensorBoard's profiler plugin and chrome://tracing read it.
