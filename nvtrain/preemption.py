@@ -274,10 +274,13 @@ def is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def collective_device(group: Any) -> torch.device:
+def collective_device(group: Any, device: torch.device | None = None) -> torch.device:
     """The CPU whenever the group has a backend for it (gloo, or the gloo half of ``"cpu:gloo,cuda:nccl"``):
     reading a CPU result back waits for the collective only, not for the device's queued work. A group of NCCL
-    alone reduces CUDA tensors only."""
+    alone reduces CUDA tensors only: on ``device`` when it is a CUDA device (the rank's own, which a script
+    may not have made current), else on the current one."""
     if backend_for(str(dist.get_backend(group)), "cpu") is not None:
         return torch.device("cpu")
+    if device is not None and device.type == "cuda":
+        return device
     return torch.device("cuda", torch.cuda.current_device())

@@ -1085,7 +1085,7 @@ class TrainingStrategy:
         if self.ctx.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
             return float(value)
         group = self._scheduler_group()
-        device = collective_device(group)
+        device = collective_device(group, self.device)
         total = torch.tensor(float(value), dtype=torch.float64, device=device)
         dist.all_reduce(total, group=group)
         return float(total) / dist.get_world_size(group)

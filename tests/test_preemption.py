@@ -317,3 +317,13 @@ def test_the_step_poll_runs_on_the_cpu_whenever_the_group_can(
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert collective_device(None) == torch.device(device)
+
+
+def test_under_nccl_alone_a_given_cuda_device_is_used_not_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose script never called set_device: its own device, not cuda:0 on every rank."""
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert collective_device(None, torch.device("cuda", 2)) == torch.device("cuda", 2)
+    assert collective_device(None, torch.device("cpu")) == torch.device("cuda", 0)  # NCCL takes CUDA tensors only
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert collective_device(None, torch.device("cuda", 2)) == torch.device("cpu")

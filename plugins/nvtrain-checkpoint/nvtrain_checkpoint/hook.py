@@ -704,7 +704,7 @@ def _distributed(ctx: nvtrain.TrainingContext) -> bool:
 def _agree(ctx: nvtrain.TrainingContext, root: Path, found: Path | None, shared: bool) -> Path | None:
     """Make every rank resume from the same step (one all_reduce)."""
     step = -1 if found is None else storage.checkpoint_step(found)
-    device = collective_device(None)
+    device = collective_device(None, ctx.device)
     both = torch.tensor([step, -step], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
     highest, lowest = int(both[0]), -int(both[1])
