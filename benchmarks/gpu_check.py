@@ -57,15 +57,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -164,11 +167,17 @@ class SaveLog:
 
     def __init__(self) -> None:
         self.blocked_ns: list[int] = []
+        #: The blocked time of each run's first save: it pays for what a run sets up once (the writer
+        #: process's shared-memory block, and on CUDA its page-locking), so it is reported apart.
+        self.first_blocked_ns: list[int] = []
         self.writer_ns: list[int] = []
         self.bytes: list[int] = []
         self.end_wait_ns: list[int] = []
         self.busy: list[tuple[int, int]] = []  # perf_counter_ns (start, end) of each write
         self._lock = threading.Lock()
+
+    def blocked(self, elapsed: int, *, first: bool) -> None:
+        (self.first_blocked_ns if first else self.blocked_ns).append(elapsed)
 
     def wrote(self, start: int, end: int) -> None:
         with self._lock:
@@ -181,10 +190,13 @@ class SaveLog:
 
         size = int(statistics.median(self.bytes)) if self.bytes else None
         writer_ms = median_ms(self.writer_ns)
+        later = self.blocked_ns or self.first_blocked_ns  # a run of one save has only first ones
         return {
-            "saves": len(self.blocked_ns),
-            "blocked_ms_per_save": median_ms(self.blocked_ns),
-            "blocked_ms_max": max(self.blocked_ns) / 1e6 if self.blocked_ns else None,
+            "saves": len(self.blocked_ns) + len(self.first_blocked_ns),
+            # a run's later saves: the steady cost; its first one apart (what it sets up once)
+            "blocked_ms_per_save": median_ms(later),
+            "blocked_ms_first_save": median_ms(self.first_blocked_ns),
+            "blocked_ms_max": max(later) / 1e6 if later else None,
             "writer_ms_per_save": writer_ms,
             "bytes_per_save": size,
             "write_mb_per_s": size / 1e3 / writer_ms if size and writer_ms else None,
@@ -203,6 +215,7 @@ def hand_written_stack(
         averaged = [p.detach().clone() for p in params]
         mse_loss = torch.nn.functional.mse_loss
         clock = time.perf_counter_ns
+        saved_once: list[int] = []  # this run's saves (its first one is logged apart)
 
         def step(inputs: Any, targets: Any, number: int) -> None:
             optimizer.zero_grad(set_to_none=True)
@@ -222,7 +235,8 @@ def hand_written_stack(
                 state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "ema": averaged}
                 written = durable_save(state, directory / f"step_{number}.pt")
                 end = clock()
-                log.blocked_ns.append(end - start)
+                log.blocked(end - start, first=not saved_once)
+                saved_once.append(number)
                 log.wrote(start, end)
                 log.bytes.append(written)
 
@@ -248,6 +262,7 @@ class _SaveStopwatch:
         self.started: int | None = None
         self.pending = False
         self.saved_before: int | None = None
+        self.first = True  # one stopwatch per run: its first save is logged apart
         self.stop = _StopwatchEnd(self)
 
     def due(self, ctx: nvtrain.TrainingContext) -> bool:
@@ -303,7 +318,8 @@ class _StopwatchEnd:
         elapsed = time.perf_counter_ns() - start.started
         start.started = None
         if start.saved_step(ctx) != start.saved_before:  # the save happened in this stage
-            start.log.blocked_ns.append(elapsed)
+            start.log.blocked(elapsed, first=start.first)
+            start.first = False
             start.pending = False
 
     @nvtrain.hookimpl(priority=nvtrain.PRIORITY_LAST + 1)
@@ -550,7 +566,9 @@ def checkpoint_cost(
     }
     _warm_writer_process()
     with timing_the_writer(logs, current) as writer_timed:
-        timings = measure(workloads, rounds=rounds)
+        # No warm-up round: the writer process is warm, each run's first save is reported apart, and a
+        # round of the 33.6M model writes 12 fsync'd checkpoints of 268 MB.
+        timings = measure(workloads, rounds=rounds, warmup=0)
     for name in names[1:]:  # bytes of the last round's checkpoints
         root = directory / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
         for step_dir in sorted(p for p in root.glob("step_*") if p.is_dir()):
@@ -611,8 +629,8 @@ def check_no_sync(spec: MLPSpec, device: torch.device, steps: int, every: int, d
     try:
         workload.run(strategy)
     finally:
+        torch.cuda.set_sync_debug_mode("default")  # first: closing may synchronise (a checkpoint's flush)
         strategy.close()
-        torch.cuda.set_sync_debug_mode("default")
     return {"guarded_steps": guard.guarded_steps, "synchronisations": 0}
 
 
@@ -701,82 +719,102 @@ def _size(value: int | None) -> str:
     return f"{value / 1e6:.1f} MB" if value >= 1e6 else f"{value / 1e3:.1f} kB"
 
 
+def _print_loop(loop: dict[str, Any]) -> None:
+    print("  loop cost, no checkpoints (whole run / steps):")
+    for name, figures in loop["per_step"].items():
+        print(f"    {name:36s} {figures['median_us']:10.1f} us/step (min {figures['min_us']:.1f})")
+    print(f"    nvtrain / bare loop:               {_ratio_text(loop['ratio_no_plugins'])}")
+    print(f"    standard stack / hand-written:     {_ratio_text(loop['ratio_standard_stack'])}")
+    print("  loop cost, steady state (single steps, every round pooled):")
+    if not loop["launch_bound"]:
+        print("    (the device is the bottleneck here: host intervals are bursts; read the whole-run figures)")
+    for name, figures in loop["steady_step"].items():
+        print(f"    {name:36s} {figures['median']:10.1f} us/step (p10 {figures['p10']:.1f})")
+    for label_, key in (
+        ("nvtrain / bare loop", "steady_ratio_no_plugins"),
+        ("standard stack / hand-written", "steady_ratio_standard_stack"),
+    ):
+        figures = loop[key]
+        print(f"    {label_ + ':':34s} {figures['median']:.3f}x (p10 {figures['p10']:.3f}x)")
+    calls = list(loop["python_calls_per_step"].values())
+    print(
+        "  host work (Python calls per step, cProfile): "
+        f"bare {calls[0]:.0f}, nvtrain {calls[1]:.0f} ({calls[1] - calls[0]:+.0f}); "
+        f"hand-written stack {calls[2]:.0f}, standard stack {calls[3]:.0f} ({calls[3] - calls[2]:+.0f})"
+    )
+    peak = list(loop["peak_memory_bytes"].values())
+    if None not in peak:
+        print(
+            "  peak device memory above the run's start: "
+            f"bare {_size(peak[0])}, nvtrain {_size(peak[1])} ({(peak[1] - peak[0]) / 1e6:+.1f} MB); "
+            f"hand-written stack {_size(peak[2])}, standard stack {_size(peak[3])} "
+            f"({(peak[3] - peak[2]) / 1e6:+.1f} MB)"
+        )
+
+
+def _print_checkpoint(ckpt: dict[str, Any]) -> None:
+    print(f"  checkpoint cost (a save every {ckpt['every']} steps and at the end):")
+    for name, figures in ckpt["per_step"].items():
+        print(f"    {name:36s} {figures['median_us']:10.1f} us/step (min {figures['min_us']:.1f})")
+    for name, save in ckpt["saves"].items():
+        rate = save["write_mb_per_s"]
+        print(
+            f"    {name:36s} blocked {_ms(save['blocked_ms_per_save'])}/save (a run's first "
+            f"{_ms(save['blocked_ms_first_save'])}), writer {_ms(save['writer_ms_per_save'])}"
+            f"/save, {_size(save['bytes_per_save'])}/save, {'-' if rate is None else f'{rate:.0f} MB/s'}"
+            + (f", end of run {_ms(save['end_of_run_ms'])}" if save["end_of_run_ms"] is not None else "")
+        )
+    print(f"    sync save / durable hand-written:  {_ratio_text(ckpt['ratio_sync_vs_hand_written_durable'])}")
+    print(f"    async save / durable hand-written: {_ratio_text(ckpt['ratio_async_vs_hand_written_durable'])}")
+    print(f"    (writer thread) / hand-written:    {_ratio_text(ckpt['ratio_async_thread_vs_hand_written_durable'])}")
+    for label_, key in (("async", "async_steps_during_writes"), ("async, thread", "async_thread_steps_during_writes")):
+        during = ckpt[key]
+        if "ratio" in during:
+            print(
+                f"    {label_}: steps during a write {during['step_us_during_writes']:.1f} us vs "
+                f"{during['step_us_without']:.1f} us without ({during['ratio']:.3f}x; "
+                f"{during['steps_during_writes']} / {during['steps_without']} steps)"
+            )
+        else:
+            print(f"    {label_}: too few steps during a write to compare ({during})")
+
+
+def _print_fsdp(fsdp: dict[str, Any]) -> None:
+    if "skipped" in fsdp:
+        print(f"fsdp, one rank: skipped: {fsdp['skipped']}")
+        return
+    print(f"fsdp, one rank ({fsdp['backend']}, param_dtype {fsdp['param_dtype']}, model {fsdp['model']}):")
+    for name, figures in fsdp["per_step"].items():
+        print(f"    {name:36s} {figures['median_us']:10.1f} us/step (min {figures['min_us']:.1f})")
+    print(f"    FSDP / plain:                      {_ratio_text(fsdp['ratio_fsdp_vs_plain'])}")
+    print(
+        f"    DTensor parameters {fsdp['sharded_parameters']}, sharded checkpoint at step "
+        f"{fsdp['checkpoint']['step']} ({fsdp['checkpoint']['files']} files), export equals the weights "
+        f"{fsdp['export_equals_weights']}: {'passed' if fsdp['passed'] else 'FAILED'}"
+    )
+
+
 def print_report(report: dict[str, Any]) -> None:
+    """The report in text; a section that failed prints its error, one the run did not reach is left out."""
     gpu = f" ({report['gpu']})" if "gpu" in report else ""
     print(f"gpu_check: {report['device']}{gpu}, torch {report['torch']}")
     for label, model in report["models"].items():
         print(f"model {label}: MLP {model['spec']}, {model['steps']} steps x {model['rounds']} rounds")
-        loop = model["loop"]
-        print("  loop cost, no checkpoints (whole run / steps):")
-        for name, figures in loop["per_step"].items():
-            print(f"    {name:36s} {figures['median_us']:10.1f} us/step (min {figures['min_us']:.1f})")
-        print(f"    nvtrain / bare loop:               {_ratio_text(loop['ratio_no_plugins'])}")
-        print(f"    standard stack / hand-written:     {_ratio_text(loop['ratio_standard_stack'])}")
-        print("  loop cost, steady state (single steps, every round pooled):")
-        if not loop["launch_bound"]:
-            print("    (the device is the bottleneck here: host intervals are bursts; read the whole-run figures)")
-        for name, figures in loop["steady_step"].items():
-            print(f"    {name:36s} {figures['median']:10.1f} us/step (p10 {figures['p10']:.1f})")
-        for label_, key in (
-            ("nvtrain / bare loop", "steady_ratio_no_plugins"),
-            ("standard stack / hand-written", "steady_ratio_standard_stack"),
-        ):
-            figures = loop[key]
-            print(f"    {label_ + ':':34s} {figures['median']:.3f}x (p10 {figures['p10']:.3f}x)")
-        calls = list(loop["python_calls_per_step"].values())
-        print(
-            "  host work (Python calls per step, cProfile): "
-            f"bare {calls[0]:.0f}, nvtrain {calls[1]:.0f} ({calls[1] - calls[0]:+.0f}); "
-            f"hand-written stack {calls[2]:.0f}, standard stack {calls[3]:.0f} ({calls[3] - calls[2]:+.0f})"
-        )
-        peak = list(loop["peak_memory_bytes"].values())
-        if None not in peak:
-            print(
-                "  peak device memory above the run's start: "
-                f"bare {_size(peak[0])}, nvtrain {_size(peak[1])} ({(peak[1] - peak[0]) / 1e6:+.1f} MB); "
-                f"hand-written stack {_size(peak[2])}, standard stack {_size(peak[3])} "
-                f"({(peak[3] - peak[2]) / 1e6:+.1f} MB)"
-            )
-        ckpt = model["checkpoint"]
-        print(f"  checkpoint cost (a save every {ckpt['every']} steps and at the end):")
-        for name, figures in ckpt["per_step"].items():
-            print(f"    {name:36s} {figures['median_us']:10.1f} us/step (min {figures['min_us']:.1f})")
-        for name, save in ckpt["saves"].items():
-            rate = save["write_mb_per_s"]
-            print(
-                f"    {name:36s} blocked {_ms(save['blocked_ms_per_save'])}/save, writer {_ms(save['writer_ms_per_save'])}"
-                f"/save, {_size(save['bytes_per_save'])}/save, {'-' if rate is None else f'{rate:.0f} MB/s'}"
-                + (f", end of run {_ms(save['end_of_run_ms'])}" if save["end_of_run_ms"] is not None else "")
-            )
-        print(f"    sync save / durable hand-written:  {_ratio_text(ckpt['ratio_sync_vs_hand_written_durable'])}")
-        print(f"    async save / durable hand-written: {_ratio_text(ckpt['ratio_async_vs_hand_written_durable'])}")
-        print(f"    (writer thread) / hand-written:    {_ratio_text(ckpt['ratio_async_thread_vs_hand_written_durable'])}")
-        for label_, key in (("async", "async_steps_during_writes"), ("async, thread", "async_thread_steps_during_writes")):
-            during = ckpt[key]
-            if "ratio" in during:
-                print(
-                    f"    {label_}: steps during a write {during['step_us_during_writes']:.1f} us vs "
-                    f"{during['step_us_without']:.1f} us without ({during['ratio']:.3f}x; "
-                    f"{during['steps_during_writes']} / {during['steps_without']} steps)"
-                )
-            else:
-                print(f"    {label_}: too few steps during a write to compare ({during})")
+        for key, printer in (("loop", _print_loop), ("checkpoint", _print_checkpoint)):
+            section = model.get(key)
+            if section is not None and "error" in section:
+                print(f"  {key}: FAILED: {section['error']}")
+            elif section is not None:
+                printer(section)
         if "sync_check" in model:
             print(f"  sync check: {model['sync_check']}")
     fsdp = report.get("fsdp")
-    if fsdp is not None:
-        if "skipped" in fsdp:
-            print(f"fsdp, one rank: skipped: {fsdp['skipped']}")
-        else:
-            print(f"fsdp, one rank ({fsdp['backend']}, param_dtype {fsdp['param_dtype']}, model {fsdp['model']}):")
-            for name, figures in fsdp["per_step"].items():
-                print(f"    {name:36s} {figures['median_us']:10.1f} us/step (min {figures['min_us']:.1f})")
-            print(f"    FSDP / plain:                      {_ratio_text(fsdp['ratio_fsdp_vs_plain'])}")
-            print(
-                f"    DTensor parameters {fsdp['sharded_parameters']}, sharded checkpoint at step "
-                f"{fsdp['checkpoint']['step']} ({fsdp['checkpoint']['files']} files), export equals the weights "
-                f"{fsdp['export_equals_weights']}: {'passed' if fsdp['passed'] else 'FAILED'}"
-            )
+    if fsdp is not None and "error" in fsdp:
+        print(f"fsdp, one rank: FAILED: {fsdp['error']}")
+    elif fsdp is not None:
+        _print_fsdp(fsdp)
+    if not report.get("complete", True):
+        print(f"gpu_check: INCOMPLETE: {report.get('stopped', 'the run stopped before its last section')}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -810,45 +848,80 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: skipped: no CUDA device (GPU figures are not measured on this machine)")
         return 0
     every = min(args.checkpoint_every, max(1, args.steps // 2))
-    report: dict[str, Any] = {"device": str(device), "torch": torch.__version__, "models": {}}
+    report: dict[str, Any] = {"device": str(device), "torch": torch.__version__, "models": {}, "complete": False}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         report["gpu"] = torch.cuda.get_device_name(device)
     directory = Path(tempfile.mkdtemp(prefix="nvtrain-gpu-check-"))
-    status = 0
+    failed = False
+
+    def section(slot: dict[str, Any], key: str, measure_it: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Run one section into ``slot[key]``: its error is recorded and the next section runs; the report so
+        far is written after each one, so a time limit or a crash later loses none of it."""
+        nonlocal failed
+        try:
+            slot[key] = measure_it()
+        except Exception as err:  # recorded in the report, which goes on: one broken section loses no other
+            slot[key] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
+            failed = True
+        _write_json(args.json_out, report)
+        return slot[key]  # type: ignore[no-any-return]
+
+    previous_term = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # a time limit's SIGTERM ends the script
     try:
         for label in args.model or ["gpu", "small"]:
             spec = MODELS[label]
             model: dict[str, Any] = {"spec": spec.label, "steps": args.steps, "rounds": args.rounds}
             report["models"][label] = model
             if device.type == "cuda":
-                try:
-                    model["sync_check"] = check_no_sync(spec, device, args.steps, every, directory / f"sync-{label}")
-                except RuntimeError as err:
-                    model["sync_check"] = {"error": str(err)}
-                    status = 1
-            model["loop"] = loop_cost(spec, device, args.steps, args.rounds)
-            model["checkpoint"] = checkpoint_cost(spec, device, args.steps, args.rounds, every, directory / label)
+                check = functools.partial(check_no_sync, spec, device, args.steps, every, directory / f"sync-{label}")
+                failed = failed or "error" in section(model, "sync_check", check)
+            section(model, "loop", functools.partial(loop_cost, spec, device, args.steps, args.rounds))
+            costs = functools.partial(checkpoint_cost, spec, device, args.steps, args.rounds, every, directory / label)
+            section(model, "checkpoint", costs)
         if device.type == "cuda" and not args.no_fsdp:
             label = (args.model or ["gpu"])[0]
             if not any(info.name == "fsdp" for info in plugins.available()):
                 report["fsdp"] = {"skipped": "the nvtrain-fsdp plugin is not installed"}
             else:
-                fsdp = fsdp_one_rank(MODELS[label], device, args.steps, args.rounds, every, directory / "fsdp-check")
-                report["fsdp"] = {"model": label, **fsdp}
-                if fsdp.get("passed") is False:
-                    status = 1
+                one_rank = functools.partial(
+                    fsdp_one_rank, MODELS[label], device, args.steps, args.rounds, every, directory / "fsdp-check"
+                )
+                fsdp = section(report, "fsdp", lambda: {"model": label, **one_rank()})
+                failed = failed or fsdp.get("passed") is False
+        report["complete"] = True
+    except _Stopped as stopped:
+        report["stopped"] = str(stopped)
+        failed = True
     finally:
+        signal.signal(signal.SIGTERM, previous_term)
         with contextlib.suppress(OSError):
             shutil.rmtree(directory)
-    if args.json_out is not None:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    _write_json(args.json_out, report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_report(report)
-    return status
+    return 1 if failed else 0
+
+
+class _Stopped(BaseException):
+    """SIGTERM (the suite's time limit): the sections done so far are reported, the temporary folder removed.
+    Not an Exception: a section's own error handling must not take it for a failure of that section."""
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise _Stopped("stopped by SIGTERM (a time limit) before the last section; the sections above are complete")
+
+
+def _write_json(path: Path | None, report: dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` whole or not at all (a temporary file, then one rename)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(partial, path)
 
 
 if __name__ == "__main__":

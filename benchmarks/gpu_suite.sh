@@ -156,21 +156,36 @@ PY
         "$PYTHON" - "$OUT/gpu_check.json" <<'PY' || true
 import json, sys
 report = json.load(open(sys.argv[1]))
+nan = float("nan")
+
+
+def figure(section, *keys):
+    for key in keys:
+        section = section.get(key, {}) if isinstance(section, dict) else {}
+    return section if isinstance(section, (int, float)) else nan
+
+
 for label, model in report["models"].items():
-    loop, ckpt = model["loop"], model["checkpoint"]
+    failed = [f"{key}: {model[key]['error']}" for key in ("sync_check", "loop", "checkpoint") if "error" in model.get(key, {})]
+    loop, ckpt = model.get("loop", {}), model.get("checkpoint", {})
     print(
-        f"gpu_check {label}: no plugins {loop['ratio_no_plugins']['median']:.3f}x, "
-        f"standard stack {loop['ratio_standard_stack']['median']:.3f}x; steady state: no plugins "
-        f"{loop['steady_ratio_no_plugins']['median']:.3f}x, standard stack "
-        f"{loop['steady_ratio_standard_stack']['median']:.3f}x (target <= 1.03x); "
-        f"with durable saves sync {ckpt['ratio_sync_vs_hand_written_durable']['median']:.3f}x, "
-        f"async {ckpt['ratio_async_vs_hand_written_durable']['median']:.3f}x "
-        f"(writer thread {ckpt.get('ratio_async_thread_vs_hand_written_durable', {}).get('median', float('nan')):.3f}x); "
-        f"steps during a write {ckpt['async_steps_during_writes'].get('ratio', float('nan')):.3f}x "
-        f"(writer thread {ckpt.get('async_thread_steps_during_writes', {}).get('ratio', float('nan')):.3f}x; "
+        f"gpu_check {label}: no plugins {figure(loop, 'ratio_no_plugins', 'median'):.3f}x, "
+        f"standard stack {figure(loop, 'ratio_standard_stack', 'median'):.3f}x; steady state: no plugins "
+        f"{figure(loop, 'steady_ratio_no_plugins', 'median'):.3f}x, standard stack "
+        f"{figure(loop, 'steady_ratio_standard_stack', 'median'):.3f}x (target <= 1.03x); "
+        f"with durable saves sync {figure(ckpt, 'ratio_sync_vs_hand_written_durable', 'median'):.3f}x, "
+        f"async {figure(ckpt, 'ratio_async_vs_hand_written_durable', 'median'):.3f}x "
+        f"(writer thread {figure(ckpt, 'ratio_async_thread_vs_hand_written_durable', 'median'):.3f}x); "
+        f"steps during a write {figure(ckpt, 'async_steps_during_writes', 'ratio'):.3f}x "
+        f"(writer thread {figure(ckpt, 'async_thread_steps_during_writes', 'ratio'):.3f}x; "
         "target <= 1.05x); "
         f"sync check {model.get('sync_check')}"
+        + (f"; FAILED {'; '.join(failed)}" if failed else "")
     )
+if "error" in report.get("fsdp", {}):
+    print(f"gpu_check fsdp: FAILED {report['fsdp']['error']}")
+if not report.get("complete", True):
+    print(f"gpu_check: INCOMPLETE ({report.get('stopped', 'stopped early')}); the figures above are what it measured")
 PY
     fi
 } | tee "$OUT/summary.txt"

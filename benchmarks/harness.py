@@ -39,6 +39,7 @@ from nvtrain.hook import TrainingUpdateHook
 from nvtrain.hookspecs import hookimpl
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.stages import REPLACEMENT_STAGES, UPDATE_STAGES, TrainingStage
+from nvtrain.step_scheduler import StepSchedulerConfig
 from nvtrain.strategy import TrainingStrategy
 
 __all__ = [
@@ -144,6 +145,8 @@ def _time_once(workload: Workload) -> float:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
+        if sync is not None:  # what prepare() queued (a warm-up step) is not this run's time
+            torch.cuda.synchronize(sync)
         start = clock()
         for _ in range(workload.repeats):
             run(state)
@@ -435,7 +438,11 @@ StepFactory = Callable[[torch.nn.Module, torch.optim.Optimizer], Callable[[Any, 
 
 
 def _mlp_strategy(spec: MLPSpec, hooks: Sequence[object], device: torch.device | str) -> TrainingStrategy:
-    """The strategy every nvtrain workload times: the MLP, SGD, MSE, one epoch, ``hooks``."""
+    """The strategy every nvtrain workload times: the MLP, SGD, MSE, one epoch, ``hooks``.
+
+    Its runs catch no signal (``preemption_signal=None``; otherwise the strategy's defaults): a time
+    limit's SIGTERM ends the benchmark, rather than stopping one run early that is then timed as whole.
+    """
     return TrainingStrategy(
         models=make_model(spec, device=device),
         optimizers=_sgd,
@@ -443,6 +450,7 @@ def _mlp_strategy(spec: MLPSpec, hooks: Sequence[object], device: torch.device |
         hooks=list(hooks),
         num_epochs=1,
         device=device,
+        step_scheduler=StepSchedulerConfig(ckpt_every_steps=None, validate_on_checkpoint=False, preemption_signal=None),
     )
 
 
