@@ -104,6 +104,13 @@ MAX_NORM = 1.0
 StepFactory = Callable[[torch.nn.Module, torch.optim.Optimizer], Callable[[Any, Any, int], None]]
 
 
+@functools.lru_cache(maxsize=1)
+def _batches(spec: MLPSpec, steps: int, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """One model's batches, drawn once for all its sections (200 batches of the 33.6M model take seconds to
+    draw); the next model's replace them. No section changes them: each gets a list of its own."""
+    return tuple(make_batches(spec, steps, device=device))
+
+
 def resolve_device(name: str) -> torch.device | None:
     """The device to measure on, with its index (``cuda`` means the current CUDA device); None without CUDA."""
     device = torch.device(name)
@@ -451,7 +458,7 @@ def _per_step(timings: dict[str, Timing]) -> dict[str, dict[str, float]]:
 
 def loop_cost(spec: MLPSpec, device: torch.device, steps: int, rounds: int) -> dict[str, Any]:
     """Whole-run time per step without any checkpoint: nvtrain against hand-written loops."""
-    batches = make_batches(spec, steps, device=device)
+    batches = list(_batches(spec, steps, device))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     precision = "bf16" if device.type == "cuda" else "fp32"
     names = ("bare loop", "nvtrain, no plugins", "hand-written stack", "nvtrain, standard stack")
@@ -514,7 +521,7 @@ def checkpoint_cost(
     spec: MLPSpec, device: torch.device, steps: int, rounds: int, every: int, directory: Path
 ) -> dict[str, Any]:
     """The standard stack saving every ``every`` steps: blocked time, writer time, bytes, throughput, ratios."""
-    batches = make_batches(spec, steps, device=device)
+    batches = list(_batches(spec, steps, device))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     precision = "bf16" if device.type == "cuda" else "fp32"
     names = (
@@ -622,7 +629,7 @@ class SyncGuard:
 def check_no_sync(spec: MLPSpec, device: torch.device, steps: int, every: int, directory: Path) -> dict[str, Any]:
     """Train ``steps`` steps with the stack, checkpoints and the guard; a sync inside a guarded step raises."""
     guard = SyncGuard(every)
-    batches = make_batches(spec, steps, device=device)
+    batches = list(_batches(spec, steps, device))
     checkpoint = {"checkpoint_dir": directory, "step_interval": every}
     workload = strategy_workload(spec, batches, lambda: [guard, *standard_stack("bf16", checkpoint)], device=device)
     strategy = workload.prepare()
@@ -652,7 +659,7 @@ def fsdp_one_rank(
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
     try:
         param_dtype = "bf16" if cuda else None
-        batches = make_batches(spec, steps, device=device)
+        batches = list(_batches(spec, steps, device))
         timings = measure(
             {
                 "standard stack": strategy_workload(
