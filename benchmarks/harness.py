@@ -39,8 +39,7 @@ from nvtrain.hook import TrainingUpdateHook
 from nvtrain.hookspecs import hookimpl
 from nvtrain.orchestrator import TrainingUpdateOrchestrator
 from nvtrain.stages import REPLACEMENT_STAGES, UPDATE_STAGES, TrainingStage
-from nvtrain.step_scheduler import StepSchedulerConfig
-from nvtrain.strategy import TrainingStrategy
+from nvtrain.strategy import IMPLIED_STEP_SCHEDULER, TrainingStrategy
 
 __all__ = [
     "LARGE_MLP",
@@ -450,7 +449,7 @@ def _mlp_strategy(spec: MLPSpec, hooks: Sequence[object], device: torch.device |
         hooks=list(hooks),
         num_epochs=1,
         device=device,
-        step_scheduler=StepSchedulerConfig(ckpt_every_steps=None, validate_on_checkpoint=False, preemption_signal=None),
+        step_scheduler=attrs.evolve(IMPLIED_STEP_SCHEDULER, preemption_signal=None),
     )
 
 

@@ -46,7 +46,7 @@ from nvtrain.validation import (
 )
 from nvtrain.validators import optional_int_at_least
 
-__all__ = ["RunResult", "TrainingStrategy"]
+__all__ = ["IMPLIED_STEP_SCHEDULER", "RunResult", "TrainingStrategy"]
 
 #: validate() calls inside validate() (an AFTER_VALIDATION hook validating again) before it is refused.
 _MAX_NESTED_VALIDATIONS = 16
@@ -168,6 +168,11 @@ def _as_device(value: Any) -> torch.device | None:
                 "to this process" + ("" if count else " (torch.cuda.is_available() is False); use device='cpu'")
             )
     return device
+
+
+#: What a strategy without ``step_scheduler`` runs with: no explicit cadences (checkpoints at epoch ends, the
+#: last step and preemption; no validation on checkpoint steps), SIGTERM and SIGINT as preemption signals.
+IMPLIED_STEP_SCHEDULER = StepSchedulerConfig(ckpt_every_steps=None, validate_on_checkpoint=False)
 
 
 def _default_device(manager: Any) -> torch.device:
@@ -595,9 +600,7 @@ class TrainingStrategy:
     def _build_scheduler(self, loader: Any) -> StepScheduler:
         """The run's scheduler: its configuration, the run bounds, accumulation and where to start."""
         ctx = self.ctx
-        config = self.step_scheduler
-        if config is None:  # no explicit cadences: checkpoint at epoch ends, the last step and preemption
-            config = StepSchedulerConfig(ckpt_every_steps=None, validate_on_checkpoint=False)
+        config = self.step_scheduler if self.step_scheduler is not None else IMPLIED_STEP_SCHEDULER
         num_epochs, max_steps = self._run_bounds()
         local_batch_size = _local_batch_size(loader)
         dp_size = ctx.world_size

@@ -106,12 +106,8 @@ def test_gradients_as_bucket_views_train_the_same_weights(init_calls: list[dict[
     """Views into the buckets (no second copy of the gradients) with accumulation under no_sync(), zeroing to
     None at every window and clipping in place: the same weights as DDP's own gradient tensors, bit for bit."""
     plain, plain_views = _train_with_the_stack(DDPHook())
-    _destroy_between_runs()
+    assert not dist.is_initialized()  # the hook destroyed the group it made; the next run makes a new one
     viewed, bucket_views = _train_with_the_stack(DDPHook(gradient_as_bucket_view=True))
     assert all(torch.equal(a, b) for a, b in zip(plain, viewed, strict=True))
     assert bucket_views == [True] * 4 and plain_views == [False] * 4
 
-
-def _destroy_between_runs() -> None:
-    """The hook destroyed the group it created at close(); the next run initialises a new one."""
-    assert not dist.is_initialized()
