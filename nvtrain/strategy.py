@@ -183,6 +183,17 @@ def _default_device(manager: Any) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def indexed_device(device: torch.device) -> torch.device:
+    """``device`` with the index its tensors report: ``cuda`` becomes the current CUDA device (``cuda:0``).
+
+    Made when SETUP starts, not when the strategy is built: asking for the current device makes the device's
+    context, which only a run on it should. The CPU (and the meta device) has no index.
+    """
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    return torch.empty(0, device=device).device
+
+
 def _check_names(field: str, names: Iterable[str], kind: str, known: Mapping[str, Any]) -> None:
     """Every key of ``field`` names one of ``known`` (a ``kind``: model, optimizer)."""
     for name in names:
@@ -223,6 +234,10 @@ class TrainingStrategy:
     of ``(inputs, targets)`` the forward is ``model(inputs)`` and the loss
     ``loss_fn(outputs, targets)``; any other batch needs ``forward_fn(ctx) -> outputs``
     (the loss then sees ``loss_fn(outputs, batch)``).
+
+    ``device`` defaults to the distributed manager's, else CUDA where available. A device
+    without an index (``cuda``) becomes the current one (``cuda:0``) when SETUP starts, in
+    ``device`` and ``ctx.device``, so it compares equal to its tensors' ``.device``.
 
     Use it as a context manager so hooks holding resources are closed, also after
     an exception.
@@ -861,6 +876,10 @@ class TrainingStrategy:
             if train_loader is not None and (train_loader is not self._setup_loader or ctx.train_loader is None):
                 ctx.train_loader = train_loader
             return
+        device = indexed_device(self.device)
+        if device != self.device:  # ``cuda`` given: hooks compare their tensors' ``cuda:0`` with ctx.device
+            self.device = ctx.device = device
+            self._move_batch = device_mover(device)
         on_meta = [name for name, model in ctx.models.items() if on_meta_device(model)]
         self._refuse_unmaterialised(on_meta)
         for name, model in ctx.models.items():
