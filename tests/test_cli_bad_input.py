@@ -172,7 +172,7 @@ def test_a_nul_character_in_a_name_or_folder_is_refused(
     job: Path, capsys: pytest.CaptureFixture[str], command: str, override: str, field: str, expected: str
 ) -> None:
     err = refused([command, str(job), *sets(override)], capsys, job.parent)
-    assert f"--set {override}: {field}: RunConfig.{field} must be {expected}" in err
+    assert f"--set {override}: {field}: must be {expected}" in err
 
 
 @pytest.mark.parametrize("command", COMMANDS)

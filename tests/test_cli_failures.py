@@ -225,8 +225,8 @@ def test_a_user_module_that_raises_on_import_is_one_line_exit_2(
             "trainer.global_batch_size",
             "StepScheduler: global_batch_size=100 is not a multiple of local_batch_size=64 * dp_size=1 (= 64)",
         ),
-        (["seed=18446744073709551616"], "seed", "RunConfig.seed must be an integer from -2**63 to 2**63 - 1"),
-        (["cpu_threads=100000000000"], "cpu_threads", "RunConfig.cpu_threads must be from 1 to 2**31 - 1, or null"),
+        (["seed=18446744073709551616"], "seed", "seed: must be an integer from -2**63 to 2**63 - 1"),
+        (["cpu_threads=100000000000"], "cpu_threads", "cpu_threads: must be from 1 to 2**31 - 1, or null"),
         (["device=meta"], "device", "device 'meta' holds no data, so nothing can train on it"),
         pytest.param(
             ["device=mps"],

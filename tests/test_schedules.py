@@ -257,7 +257,7 @@ def test_config_plateau_steps_after_each_validation_only(tmp_path: Path) -> None
         ("{factory: onecycle, warmup_steps: 3, kwargs: {max_lr: 1.0}}", "warmup_steps",
          "onecycle ramps the LR up itself (from max_lr / div_factor over pct_start of its steps)"),
         ("{factory: cosine, interval: month}", "interval", "expected one of 'step', 'epoch', got str 'month'"),
-        ("{factory: cosine, warmup_steps: -1}", "warmup_steps", "LRSchedulerConfig.warmup_steps must be >= 0"),
+        ("{factory: cosine, warmup_steps: -1}", "warmup_steps", "must be >= 0 (got -1)"),
         ("{factory: step}", "kwargs", "step cannot be called with these kwargs: missing a required argument"),
     ],
 )

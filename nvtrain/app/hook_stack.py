@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from nvtrain.config import LoadedConfig, resolve_import_path
-from nvtrain.config.errors import field_of
+from nvtrain.config.errors import field_of, in_config_words
 from nvtrain.validators import FieldProblem
 
 #: Hook constructor parameters that name an output location, and where they default to in the run directory.
@@ -174,7 +174,8 @@ def _construct(
         unknown = err.unknown if isinstance(err, PluginSettingsError) else ()
         raise loaded.error(str(err), (*path, unknown[0]) if unknown else path) from None
     except FieldProblem as err:  # the hook's own validators and converters say which field refused what
-        raise loaded.error(f"hook {name!r}: {err}", (*path, err.field) if err.field else path) from None
+        message = in_config_words(err, name_the_field=True)
+        raise loaded.error(f"hook {name!r}: {message}", (*path, err.field) if err.field else path) from None
     except (TypeError, ValueError) as err:  # a hook from elsewhere whose checks raise plain errors (or attrs' own)
         message, field = _attrs_refusal(cls, err) or (str(err), field_of(err))
         raise loaded.error(f"hook {name!r}: {message}", (*path, field) if field else path) from None

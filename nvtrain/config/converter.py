@@ -132,7 +132,7 @@ def _make_converter() -> Any:
 
         def structure(value: Any, _: Any) -> Any:
             if not isinstance(value, Mapping):
-                raise TypeError(f"expected a mapping (section {cls.__name__}), got {describe(value)}")
+                raise TypeError(f"expected a mapping of the section's keys, got {describe(value)}")
             return inner(value, cls)
 
         return structure

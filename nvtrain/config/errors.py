@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nvtrain.validators import FieldValueError
+from nvtrain.validators import FieldProblem, FieldValueError
 
-__all__ = ["ConfigError", "ConfigPath", "FieldError", "describe", "field_of", "format_path"]
+__all__ = ["ConfigError", "ConfigPath", "FieldError", "describe", "field_of", "format_path", "in_config_words"]
 
 #: Where a value sits in the config: ``("hooks", 1, "decay")``.
 ConfigPath = tuple[str | int, ...]
@@ -57,11 +58,42 @@ def field_of(err: BaseException) -> str | None:
 
 
 def describe(value: Any) -> str:
-    """A value as a message shows it: ``null``, ``a mapping``, ``a list``, ``int 3``."""
+    """A value as a message shows it, in YAML's words: ``null``, ``true``, ``a mapping``, ``a list``, ``int 3``."""
     if value is None:
         return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, Mapping):
         return "a mapping"
     if isinstance(value, list):
         return "a list"
     return f"{type(value).__name__} {value!r}"
+
+
+#: Python's words in a field's expectation, and the config file's for them.
+_YAML_WORDS = (
+    (re.compile(r"\bNone\b"), "null"),
+    (re.compile(r"\bTrue\b"), "true"),
+    (re.compile(r"\bFalse\b"), "false"),
+    (re.compile(r"\ban int\b"), "an integer"),
+    (re.compile(r"\ba str or os\.PathLike\b"), "a string"),
+)
+
+
+def in_config_words(err: FieldProblem, *, name_the_field: bool) -> str:
+    """A validator's refusal as a config file reads it: ``must be an integer >= 1 or null (got 0)``.
+
+    Validators word their messages for Python callers (``StepSchedulerConfig.max_steps must be an int >= 1 or
+    None (got 0)``); the config error already names the key (``trainer.max_steps``), and its writer wrote
+    ``null``, not ``None``. ``name_the_field`` keeps ``Owner.field`` in front (a hook's class says whose setting
+    it is). A message of the validator's own, which says more than that form, is kept as it is.
+    """
+    message = str(err)
+    if not err.expected or message != f"{err.owner}.{err.field} must be {err.expected} (got {err.value!r})":
+        return message
+    expected = err.expected
+    for python, yaml in _YAML_WORDS:
+        expected = python.sub(yaml, expected)
+    got = describe(err.value) if err.value is None or isinstance(err.value, (bool, Mapping, list)) else repr(err.value)
+    head = f"{err.owner}.{err.field} must be" if name_the_field else "must be"
+    return f"{head} {expected} (got {got})"

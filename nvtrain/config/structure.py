@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from nvtrain.config.converter import converter
-from nvtrain.config.errors import ConfigError, ConfigPath, format_path
+from nvtrain.config.errors import ConfigError, ConfigPath, format_path, in_config_words
 from nvtrain.config.schema import SECTIONS, RunConfig
 from nvtrain.validators import FieldProblem
 
@@ -91,22 +91,44 @@ def problems(err: BaseException, path: ConfigPath = ()) -> Iterator[Problem]:
             yield from problems(sub, (*path, *_note_path(sub)))
         return
     if isinstance(err, ForbiddenExtraKeysError):
-        valid = [a.name for a in attrs.fields(err.cl)]
         for key in sorted(err.extra_fields):
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f" (valid keys: {', '.join(valid)})"
-            yield Problem((*path, key), f"unknown key {key!r} in {_section_label(err.cl)}{hint}")
+            yield Problem((*path, key), f"unknown key {key!r} in {_section_label(err.cl)}{_hint(str(key), err.cl)}")
         return
     if isinstance(err, KeyError):  # cattrs: a required key is absent
         yield Problem(path, f"missing required key {err.args[0]!r}")
         return
     if isinstance(err, FieldProblem):  # a field's validator, or a hook entry without a usable name
-        yield Problem((*path, err.field) if err.field else path, str(err))
+        yield Problem((*path, err.field) if err.field else path, in_config_words(err, name_the_field=False))
         return
     if isinstance(err, (TypeError, ValueError)):  # a structure hook's; cattrs noted the attribute or index
         yield Problem(path, str(err))
         return
     raise err
+
+
+def _hint(key: str, section: type) -> str:
+    """What an unknown key of ``section`` may have meant: the same key in another section (``max_steps`` at the
+    top level is ``trainer.max_steps``), else the closest key here, else the closest elsewhere."""
+    here = [a.name for a in attrs.fields(section)]
+    elsewhere = {
+        f"{name}.{field.name}" if name else field.name: field.name
+        for name, other in SECTIONS
+        if other is not section
+        for field in attrs.fields(other)
+    }
+    moved = [path for path, name in elsewhere.items() if name == key]
+    if moved:
+        return f"; did you mean {moved[0]!r}?"
+    close = difflib.get_close_matches(key, here, n=1)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    close = difflib.get_close_matches(key, list(elsewhere.values()), n=1, cutoff=0.8)
+    if close:
+        return f"; did you mean {next(path for path, name in elsewhere.items() if name == close[0])!r}?"
+    name = next((name for name, other in SECTIONS if other is section), "")
+    if "kwargs" in here and name:  # optimizer.lr: the factory's arguments go under kwargs
+        return f"; the factory's keyword arguments go under kwargs: did you mean '{name}.kwargs.{key}'?"
+    return f" (valid keys: {', '.join(here)})"
 
 
 def _note_path(err: BaseException) -> ConfigPath:
