@@ -85,6 +85,24 @@ def test_a_sharded_checkpoint_exports_the_ema_average_consolidated(tmp_path: Pat
     assert_same(full(strategy.ctx.models["main"].state_dict()), torch.load(hook.export(tmp_path / "model.pt")))
 
 
+def test_a_sharded_save_of_a_cpu_run_makes_no_cuda_context(
+    tmp_path: Path, world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where CUDA is available, DCP's writer copies tensors ahead on the current CUDA stream unless told not to:
+    a CUDA context in every rank of a CPU run on a GPU machine. Here CUDA looks available and any use of it fails."""
+    nvtrain_fsdp = pytest.importorskip("nvtrain_fsdp")
+
+    def no_cuda(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a CPU run's sharded save used CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_stream", no_cuda)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", no_cuda)
+    train(tmp_path / "checkpoints", nvtrain_fsdp.FSDPHook())
+    assert storage.read_manifest(tmp_path / "checkpoints" / "step_4").get("sharded")
+
+
 # -- which EMA state, and the errors ------------------------------------------------------------------------
 
 
