@@ -252,8 +252,10 @@ class ShardedSaver:
         # Wherever CUDA is available, DCP's writer copies tensors ahead on the current CUDA stream, which makes a
         # CUDA context in every rank of a run on the CPU (one GPU's memory, or a refusal in exclusive-process
         # mode); a CPU run's tensors need no copy ahead.
-        copy_ahead = {"per_thread_copy_ahead": 0} if ctx.device.type == "cpu" else {}
-        writer = dcp.FileSystemWriter(tmp / SHARDED_DIR, sync_files=True, **copy_ahead)
+        if ctx.device.type == "cpu":
+            writer = dcp.FileSystemWriter(tmp / SHARDED_DIR, sync_files=True, per_thread_copy_ahead=0)
+        else:
+            writer = dcp.FileSystemWriter(tmp / SHARDED_DIR, sync_files=True)
         manifest = {**metadata, "sharded": {"format": FORMAT, "directory": SHARDED_DIR, "world_size": world_size}}
         finish = functools.partial(
             _finish,
